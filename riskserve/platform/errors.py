@@ -1,0 +1,113 @@
+"""The one exception tree of riskserve; every class carries the gRPC status it maps to.
+
+::
+
+    RiskServeError                 INTERNAL
+    ├── InvalidInput               INVALID_ARGUMENT   (names the offending field)
+    ├── ConfigError                INVALID_ARGUMENT   (names the offending config path)
+    ├── NotFound                   NOT_FOUND
+    ├── ModelLoadError             FAILED_PRECONDITION
+    │   └── ArtifactIntegrityError FAILED_PRECONDITION (checksum, truncation, tampering)
+    ├── MissingExtra               FAILED_PRECONDITION (an optional backend is not installed)
+    ├── ModelUnavailable           UNAVAILABLE        (not loaded yet, unloaded, or broken)
+    ├── Overloaded                 RESOURCE_EXHAUSTED
+    ├── DeadlineExceeded           DEADLINE_EXCEEDED
+    └── Conflict                   ABORTED            (a concurrent operation already runs)
+
+The gRPC layer turns any of them into ``context.abort(error.grpc_status, str(error))`` in one place.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import grpc
+
+__all__ = [
+    "ArtifactIntegrityError",
+    "ConfigError",
+    "Conflict",
+    "DeadlineExceeded",
+    "InvalidInput",
+    "MissingExtra",
+    "ModelLoadError",
+    "ModelUnavailable",
+    "NotFound",
+    "Overloaded",
+    "RiskServeError",
+]
+
+
+class RiskServeError(Exception):
+    """Root of every error riskserve raises on purpose."""
+
+    grpc_status: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+
+
+class InvalidInput(RiskServeError):
+    """A request the caller must fix: it names the field (feature column, request field) at fault."""
+
+    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+class ConfigError(RiskServeError):
+    """A configuration (pipeline YAML, model settings) that cannot be used as written."""
+
+    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(RiskServeError):
+    """A named thing (pipeline, model, artifact, version) does not exist."""
+
+    grpc_status = grpc.StatusCode.NOT_FOUND
+
+
+class ModelLoadError(RiskServeError):
+    """A model could not be loaded; the previous version (if any) keeps serving."""
+
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ArtifactIntegrityError(ModelLoadError):
+    """An artifact file is missing, truncated or does not match its manifest checksum."""
+
+
+class MissingExtra(RiskServeError, ImportError):
+    """An optional backend is used but its extra is not installed; the message names the extra."""
+
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+
+    def __init__(self, backend: str, extra: str, module: str) -> None:
+        super().__init__(
+            f"the {backend} backend needs the '{module}' package: "
+            f"install it with `pip install 'riskserve[{extra}]'`"
+        )
+        self.extra = extra
+
+
+class ModelUnavailable(RiskServeError):
+    """The model cannot answer now (not ready, unloaded, or failing); retrying later may succeed."""
+
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+
+
+class Overloaded(RiskServeError):
+    """Too many requests are queued; the caller should back off."""
+
+    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(RiskServeError):
+    """The caller's deadline passed before an answer was ready."""
+
+    grpc_status = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Conflict(RiskServeError):
+    """Another operation on the same object is already running (for example two swaps at once)."""
+
+    grpc_status = grpc.StatusCode.ABORTED

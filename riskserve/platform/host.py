@@ -1,0 +1,56 @@
+"""The platform's side of a model's lifecycle: load, readiness, a checked predict, unload.
+
+Every model in every deployment runs inside a :class:`ModelHost`, so the same guarantees hold for every
+backend: no predict before a successful load, output shape and range checked, one place to add more.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic
+
+import numpy as np
+
+from riskserve.platform.base_model import BaseModel, InputT, ModelOutput, _set_ready
+from riskserve.platform.errors import ModelLoadError, ModelUnavailable, RiskServeError
+
+__all__ = ["ModelHost"]
+
+
+class ModelHost(Generic[InputT]):
+    """Owns one model instance: loads it, gates ``predict`` on readiness and checks every output."""
+
+    def __init__(self, model: BaseModel[InputT, Any]) -> None:
+        self.model = model
+
+    async def start(self) -> None:
+        """Load the model and mark it ready; any unexpected failure becomes ``ModelLoadError``."""
+        try:
+            await self.model.load()
+        except RiskServeError:
+            raise
+        except Exception as error:
+            raise ModelLoadError(f"model '{self.model.name}' failed to load: {error}") from error
+        _set_ready(self.model, True)
+
+    async def predict(self, batch: InputT, rows: int) -> ModelOutput:
+        """Predict ``rows`` rows on a ready model; check it gave one finite score in [0, 1] per row."""
+        if not self.model.ready:
+            raise ModelUnavailable(f"model '{self.model.name}' is not ready")
+        output = await self.model.predict(batch)
+        scores = output.scores
+        if scores.shape != (rows,):
+            raise ModelUnavailable(
+                f"model '{self.model.name}' returned {scores.shape} scores for {rows} rows"
+            )
+        if not (np.isfinite(scores).all() and (scores >= 0).all() and (scores <= 1).all()):
+            raise ModelUnavailable(f"model '{self.model.name}' returned scores outside [0, 1] or not finite")
+        if output.labels is not None and len(output.labels) != rows:
+            raise ModelUnavailable(
+                f"model '{self.model.name}' returned {len(output.labels)} labels for {rows} rows"
+            )
+        return output
+
+    async def stop(self) -> None:
+        """Take the model out of service, then let it release its resources."""
+        _set_ready(self.model, False)
+        await self.model.unload()
