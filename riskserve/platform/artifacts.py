@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +25,7 @@ __all__ = [
     "ArtifactManifest",
     "FileEntry",
     "content_version",
+    "default_cache_dir",
     "open_artifact",
     "sha256_bytes",
     "sha256_file",
@@ -67,6 +69,11 @@ class ArtifactManifest(_Schema):
     """Class labels: ``["0", "1"]`` for binary scorers, the intent names for the LLM."""
     info: dict[str, Any] = Field(default_factory=dict)
     """Free-form provenance: seed, training rows, held-out quality, parent version."""
+
+
+def default_cache_dir() -> Path:
+    """Cache of derived files (compiled libraries): ``$RISKSERVE_CACHE_DIR`` or ``~/.cache/riskserve``."""
+    return Path(os.environ.get("RISKSERVE_CACHE_DIR") or Path.home() / ".cache" / "riskserve")
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -19,7 +19,7 @@ The gRPC layer turns any of them into ``context.abort(error.grpc_status, str(err
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import grpc
 
@@ -42,6 +42,17 @@ class RiskServeError(Exception):
     """Root of every error riskserve raises on purpose."""
 
     grpc_status: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Errors cross Ray process boundaries; rebuild without re-running __init__ so fields survive.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[RiskServeError], args: tuple[Any, ...], state: dict[str, Any]) -> RiskServeError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class InvalidInput(RiskServeError):

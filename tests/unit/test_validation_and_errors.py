@@ -68,3 +68,15 @@ def test_a_missing_extra_names_it() -> None:
         require("riskserve_no_such_module", backend="vllm", extra="cpu")
     assert isinstance(info.value, ImportError)
     assert require("json", backend="x", extra="y").__name__ == "json"
+
+
+def test_errors_survive_pickling_across_processes_with_their_fields() -> None:
+    import pickle
+
+    error = pickle.loads(pickle.dumps(InvalidInput("is missing", field="amount")))
+    assert isinstance(error, InvalidInput)
+    assert error.field == "amount"
+    assert str(error) == "amount: is missing"
+    extra = pickle.loads(pickle.dumps(MissingExtra("vllm", "cpu", "vllm")))
+    assert extra.extra == "cpu"
+    assert "riskserve[cpu]" in str(extra)

@@ -1,0 +1,748 @@
+"""XGBoost trees compiled to a native library with tl2cgen, refused unless it predicts exactly like XGBoost.
+
+``load`` verifies the artifact (sha256), compiles ``model.json``/``model.ubj`` with tl2cgen into a library
+cache keyed by artifact version, tl2cgen version and toolchain, then runs the equality gate: the library
+must reproduce ``xgboost.Booster.inplace_predict`` on the artifact's golden rows plus rows built from the
+model's own split thresholds (both sides of every split, the threshold itself, missing values).
+
+Compilation runs in a child process: the Treelite 4.1.2 bundled in tl2cgen 1.0.0 writes a version-skew
+notice straight to the C stderr (no Python warning, no callback to route it), tl2cgen prints its progress to
+stdout, and gcc may hang or crash; in a child all of that is captured and logged, and a timeout can kill it.
+A library is published by renaming its build directory (with ``build.json``: size and sha256) into the
+cache, so a crash mid-compile never leaves a half library, and a cached library is checked against
+``build.json`` before it is opened, because ``dlopen`` of a truncated library kills the process (SIGBUS).
+
+Without a working compiler the model can fall back to Treelite's GTIL interpreter and says so in
+``details()``. A tl2cgen predictor may be called by one thread at a time, so every call holds a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import tl2cgen
+import treelite
+import treelite.gtil
+import xgboost
+from numpy.typing import NDArray
+from pydantic import BaseModel as _Schema
+from pydantic import ConfigDict, Field, ValidationError
+
+from riskserve.platform.artifacts import (
+    Artifact,
+    default_cache_dir,
+    open_artifact,
+    sha256_bytes,
+    sha256_file,
+    write_manifest,
+)
+from riskserve.platform.base_model import BaseModel, ModelOutput, ModelSettings
+from riskserve.platform.errors import InvalidInput, ModelLoadError, ModelUnavailable
+from riskserve.platform.validation import FeatureMatrix, check_feature_matrix
+
+__all__ = [
+    "GOLDEN_FILE",
+    "LIBRARY_NAME",
+    "MODEL_FILES",
+    "TreeliteModel",
+    "TreeliteSettings",
+    "save_xgboost_artifact",
+]
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILES: tuple[str, ...] = ("model.json", "model.ubj")
+"""Accepted names of the XGBoost model file (JSON or UBJSON); an artifact lists exactly one."""
+GOLDEN_FILE = "golden.json"
+"""The check set: ``{"x": [[...]], "expected": [...]}`` recorded by XGBoost at save time."""
+LIBRARY_NAME = "predictor.so"
+"""File name of a compiled library inside its cache directory."""
+_BUILD_RECORD = "build.json"
+_LABELS = ["0", "1"]
+_PROBABILITY_OBJECTIVES = frozenset({"binary:logistic", "reg:logistic"})
+_MISSING_FRACTION = 0.05
+_LOG_TAIL_CHARS = 2000
+_SKEW_NOTICE = re.compile(r"Currently running Treelite version (\S+)")
+
+# Run by ``sys.executable -c`` with a JSON spec in argv[1] and the verified model bytes on stdin. It
+# imports only treelite and tl2cgen (~0.2 s) and never imports riskserve.
+_COMPILE_SCRIPT = """
+import json, sys, warnings
+warnings.simplefilter("default")
+spec = json.loads(sys.argv[1])
+raw = sys.stdin.buffer.read()
+import tl2cgen, treelite
+if spec["format"] == "json":
+    model = treelite.frontend.from_xgboost_json(raw)
+else:
+    model = treelite.frontend.from_xgboost_ubjson(raw)
+tl2cgen.export_lib(
+    model,
+    toolchain=spec["toolchain"],
+    libpath=spec["library"],
+    params={"parallel_comp": spec["parallel_comp"]},
+    nthread=spec["jobs"],
+)
+"""
+
+
+class TreeliteSettings(ModelSettings):
+    """Where compiled libraries live, how to compile and predict, and how strict the equality gate is."""
+
+    cache_dir: Path = Field(default_factory=lambda: default_cache_dir() / "treelite")
+    """Directory of compiled libraries, one subdirectory per artifact version, tl2cgen version, toolchain;
+    share it between processes (and restarts) so a second load of an artifact never recompiles.
+    Default: ``$RISKSERVE_CACHE_DIR/treelite`` (``~/.cache/riskserve/treelite``)."""
+    toolchain: str = Field(default="gcc", pattern=r"^[A-Za-z0-9_./][A-Za-z0-9_.+/-]*$", max_length=200)
+    """C compiler command (``gcc``, ``clang``, ``gcc-12``, or a path); tl2cgen runs it through a shell,
+    hence the restricted characters."""
+    nthread: int = Field(default=1, ge=1, le=256)
+    """Threads per prediction call (tl2cgen, GTIL, and XGBoost in the gate); 1 suits many small batches."""
+    parallel_comp: int = Field(default=8, ge=0, le=1024)
+    """Translation units the trees are split into, compiled in parallel (0: one file, slowest)."""
+    compile_timeout_seconds: float = Field(default=900.0, gt=0, le=24 * 3600)
+    """A compile taking longer is killed and treated as a toolchain failure."""
+    max_abs_diff: float = Field(default=1e-5, ge=0, le=1e-2)
+    """Largest allowed |compiled - XGBoost| probability on the check batch; 0 demands bit-identical."""
+    check_rows: int = Field(default=512, ge=1, le=1_000_000)
+    """Rows of the generated check batch, built from the model's split thresholds; checked in addition to
+    the artifact's golden rows, and alone when the artifact has none."""
+    allow_gtil_fallback: bool = True
+    """Serve with Treelite's GTIL interpreter (slower, same answers) when compiling is impossible."""
+
+
+class _BuildRecord(_Schema):
+    """``build.json`` beside a cached library: what was compiled and the library's size and checksum."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    artifact_version: str
+    """Artifact version the library was compiled from."""
+    tl2cgen_version: str
+    """tl2cgen that generated the C code."""
+    toolchain: str
+    """Compiler command used."""
+    library_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """sha256 of the library, checked before every ``dlopen``."""
+    library_bytes: int = Field(ge=1)
+    """Size of the library in bytes."""
+    compile_seconds: float = Field(ge=0)
+    """Wall time of the compile that produced it."""
+
+
+@dataclass
+class _Engine:
+    """A loaded predictor and the lock that keeps it to one calling thread at a time."""
+
+    run: Callable[[FeatureMatrix], Any]
+    """Raw engine call on a validated batch; call only while holding ``lock``."""
+    version: str
+    feature_names: list[str]
+    details: dict[str, Any]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """Outcome of one compile attempt: the library in its build directory, or why there is none."""
+
+    build_dir: Path | None
+    failure: str | None
+    seconds: float
+    notes: list[str]
+
+
+def save_xgboost_artifact(
+    booster: xgboost.Booster,
+    out_dir: Path,
+    *,
+    feature_names: Sequence[str],
+    golden_x: NDArray[np.float32],
+    info: dict[str, Any] | None = None,
+) -> Artifact:
+    """Write ``model.json``, ``golden.json`` (XGBoost's own predictions) and ``manifest.json``; same booster,
+    same bytes.
+
+    Raises:
+        InvalidInput: the booster is not a probability model of ``feature_names``, or ``golden_x`` is not a
+            finite float32 matrix of that width (naming the column).
+    """
+    names = list(feature_names)
+    if not names or len(set(names)) != len(names):
+        raise InvalidInput("feature names must be non-empty and unique", field="feature_names")
+    if booster.num_features() != len(names):
+        raise InvalidInput(
+            f"the booster reads {booster.num_features()} features, {len(names)} names given",
+            field="feature_names",
+        )
+    objective = json.loads(booster.save_config())["learner"]["objective"]["name"]
+    if objective not in _PROBABILITY_OBJECTIVES:
+        raise InvalidInput(
+            f"objective '{objective}' does not output probabilities; use one of "
+            f"{sorted(_PROBABILITY_OBJECTIVES)}",
+            field="booster",
+        )
+    golden = check_feature_matrix(np.ascontiguousarray(golden_x), names)
+    expected = np.asarray(booster.inplace_predict(golden), dtype=np.float64).reshape(golden.shape[0])
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MODEL_FILES[0]).write_bytes(bytes(booster.save_raw("json")))
+    golden_doc = {"x": golden.tolist(), "expected": [float(value) for value in expected]}
+    (out_dir / GOLDEN_FILE).write_text(json.dumps(golden_doc, separators=(",", ":")) + "\n")
+    provenance: dict[str, Any] = {
+        "objective": objective,
+        "num_trees": booster.num_boosted_rounds(),
+        "golden_rows": int(golden.shape[0]),
+        "xgboost_version": xgboost.__version__,
+    }
+    write_manifest(
+        out_dir,
+        kind="treelite",
+        files={MODEL_FILES[0]: "model", GOLDEN_FILE: "golden"},
+        feature_names=names,
+        labels=list(_LABELS),
+        info={**provenance, **(info or {})},
+    )
+    return open_artifact(out_dir, kind="treelite")
+
+
+class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
+    """A binary XGBoost scorer served from a tl2cgen-compiled library (or GTIL), gated on XGBoost equality."""
+
+    kind: ClassVar[str] = "treelite"
+
+    def __init__(self, settings: TreeliteSettings) -> None:
+        super().__init__(settings)
+        self._engine: _Engine | None = None
+
+    def _loaded_version(self) -> str | None:
+        engine = self._engine
+        return engine.version if engine is not None else None
+
+    async def load(self) -> None:
+        """Verify, compile (or reuse the cached library), gate on XGBoost equality, then swap in."""
+        self._engine = await asyncio.to_thread(self._load_blocking)
+
+    async def predict(self, batch: FeatureMatrix) -> ModelOutput:
+        """Probability of class "1" per row; the batch is validated and read in place, never copied."""
+        engine = self._require_engine()
+        rows = check_feature_matrix(batch, engine.feature_names)
+        scores = await asyncio.to_thread(_run_locked, engine, rows)
+        return ModelOutput(scores=scores, version=engine.version)
+
+    def predict_sync(self, batch: FeatureMatrix) -> NDArray[np.float64]:
+        """Blocking :meth:`predict` for benchmarks and worker threads: validated, locked, float64 ``(n,)``."""
+        engine = self._require_engine()
+        return _run_locked(engine, check_feature_matrix(batch, engine.feature_names))
+
+    async def unload(self) -> None:
+        """Drop the predictor; a call in flight keeps its engine alive until it returns."""
+        self._engine = None
+
+    def input_names(self) -> list[str]:
+        """Feature columns of the loaded artifact, in order (empty before the first load)."""
+        engine = self._engine
+        return list(engine.feature_names) if engine is not None else []
+
+    def labels(self) -> list[str]:
+        """``["0", "1"]``: the score is the probability of "1"."""
+        return list(_LABELS)
+
+    def details(self) -> dict[str, Any]:
+        """Engine (``tl2cgen``/``gtil``), library path, cache hit or compile time, gate result, fallback."""
+        engine = self._engine
+        return dict(engine.details) if engine is not None else {}
+
+    def _require_engine(self) -> _Engine:
+        engine = self._engine
+        if engine is None:
+            raise ModelUnavailable(f"model '{self.name}' is not loaded")
+        return engine
+
+    # -- loading ---------------------------------------------------------------------------------------
+
+    def _load_blocking(self) -> _Engine:
+        started = time.perf_counter()
+        settings = self.settings
+        artifact = open_artifact(settings.artifact, kind="treelite")
+        feature_names = list(artifact.manifest.feature_names)
+        if not feature_names:
+            raise ModelLoadError(f"{artifact.root}: the manifest lists no feature names")
+        if list(artifact.manifest.labels) != _LABELS:
+            raise ModelLoadError(f"{artifact.root}: labels {artifact.manifest.labels}, expected {_LABELS}")
+        model_file, raw = _read_model_file(artifact)
+        booster = _load_booster(raw, artifact.root / model_file, settings.nthread)
+        model_json = json.loads(bytes(booster.save_raw("json")))
+        try:
+            objective = str(model_json["learner"]["objective"]["name"])
+        except (KeyError, TypeError) as error:
+            raise ModelLoadError(
+                f"{artifact.root / model_file}: no objective in the model: {error}"
+            ) from error
+        if objective not in _PROBABILITY_OBJECTIVES:
+            raise ModelLoadError(f"{artifact.root}: objective '{objective}' does not output probabilities")
+        if booster.num_features() != len(feature_names):
+            raise ModelLoadError(
+                f"{artifact.root}: the model reads {booster.num_features()} features, "
+                f"the manifest names {len(feature_names)}"
+            )
+
+        golden = _read_golden(artifact, len(feature_names))
+        generated = _threshold_rows(
+            _split_thresholds(model_json, len(feature_names)), settings.check_rows, int(artifact.version, 16)
+        )
+        check_x = generated if golden is None else np.ascontiguousarray(np.vstack([golden[0], generated]))
+        reference = np.asarray(booster.inplace_predict(check_x), dtype=np.float64).reshape(check_x.shape[0])
+        if golden is not None:
+            drift = _max_abs_diff(reference[: golden[0].shape[0]], golden[1])
+            if drift > settings.max_abs_diff:
+                raise ModelLoadError(
+                    f"{artifact.root}: xgboost {xgboost.__version__} disagrees with {GOLDEN_FILE} "
+                    f"(max abs diff {drift:.3g} > {settings.max_abs_diff:g})"
+                )
+        num_trees = int(booster.num_boosted_rounds())
+        del booster
+
+        details: dict[str, Any] = {
+            "model_file": model_file,
+            "num_trees": num_trees,
+            "toolchain": settings.toolchain,
+            "nthread": settings.nthread,
+            "tl2cgen_version": tl2cgen.__version__,
+            "treelite_version": treelite.__version__,
+            "xgboost_version": xgboost.__version__,
+            "fallback_reason": None,
+            "cache_rejected": None,
+        }
+        run = self._prepare_engine(artifact, model_file, raw, check_x, reference, details)
+        details["gate"]["golden_rows"] = 0 if golden is None else int(golden[0].shape[0])
+        details["load_seconds"] = round(time.perf_counter() - started, 4)
+        logger.info(
+            "model '%s' version %s loaded with %s in %.2fs (compiled=%s, cache_hit=%s)",
+            self.name,
+            artifact.version,
+            details["engine"],
+            details["load_seconds"],
+            details["compiled"],
+            details["cache_hit"],
+        )
+        return _Engine(run=run, version=artifact.version, feature_names=feature_names, details=details)
+
+    def _prepare_engine(
+        self,
+        artifact: Artifact,
+        model_file: str,
+        raw: bytes,
+        check_x: FeatureMatrix,
+        reference: NDArray[np.float64],
+        details: dict[str, Any],
+    ) -> Callable[[FeatureMatrix], Any]:
+        """A gated tl2cgen predictor from the cache or a fresh compile, else (if allowed) GTIL."""
+        settings = self.settings
+        toolchain_slug = re.sub(r"[^A-Za-z0-9_.+-]", "_", settings.toolchain)  # "/usr/bin/gcc" -> one name
+        key = f"{artifact.version}-{tl2cgen.__version__}-{toolchain_slug}"
+        cache_dir = settings.cache_dir.expanduser().resolve()  # the compile child runs in another cwd
+        key_dir = cache_dir / key
+        details.update(compiled=False, cache_hit=False, library=None, compile_seconds=None)
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            lock_context = _cache_lock(cache_dir / f".{key}.lock")
+        except OSError as error:
+            raise ModelLoadError(f"cannot use the library cache {cache_dir}: {error}") from error
+        with lock_context:
+            if key_dir.exists():
+                cached = self._open_cached(
+                    key_dir, artifact.version, len(artifact.manifest.feature_names), check_x, reference
+                )
+                if isinstance(cached, str):
+                    logger.warning("rejected cached library %s: %s; recompiling", key_dir, cached)
+                    details["cache_rejected"] = cached
+                    shutil.rmtree(key_dir, ignore_errors=True)
+                else:
+                    run, diff = cached
+                    details.update(
+                        engine="tl2cgen",
+                        cache_hit=True,
+                        library=str(key_dir / LIBRARY_NAME),
+                        compile_seconds=0.0,
+                    )
+                    details["gate"] = self._gate_details(check_x, diff)
+                    return run
+            for stale in cache_dir.glob(f".build-{key}-*"):
+                shutil.rmtree(stale, ignore_errors=True)  # left by a process that died mid-compile
+            compiled = self._compile(cache_dir, key, raw, model_file)
+            details["compile_seconds"] = round(compiled.seconds, 3)
+            if compiled.notes:
+                details["compile_notes"] = compiled.notes
+            if compiled.build_dir is None:
+                return self._fallback(
+                    artifact, model_file, raw, check_x, reference, details, compiled.failure
+                )
+            build_dir = compiled.build_dir
+            try:
+                opened = _open_predictor(
+                    build_dir / LIBRARY_NAME, settings.nthread, len(artifact.manifest.feature_names)
+                )
+                diff = _max_abs_diff(_run_raw(opened, check_x), reference)
+                if diff > settings.max_abs_diff:
+                    raise ModelLoadError(
+                        f"the compiled library disagrees with xgboost on the check batch "
+                        f"(max abs diff {diff:.3g} > {settings.max_abs_diff:g}); refusing version "
+                        f"{artifact.version}"
+                    )
+                _publish(build_dir, key_dir, artifact.version, settings.toolchain, compiled.seconds)
+            except BaseException:
+                shutil.rmtree(build_dir, ignore_errors=True)
+                raise
+            details.update(engine="tl2cgen", compiled=True, library=str(key_dir / LIBRARY_NAME))
+            details["gate"] = self._gate_details(check_x, diff)
+            return opened
+
+    def _open_cached(
+        self,
+        key_dir: Path,
+        version: str,
+        n_features: int,
+        check_x: FeatureMatrix,
+        reference: NDArray[np.float64],
+    ) -> tuple[Callable[[FeatureMatrix], Any], float] | str:
+        """The cached library and its gate diff, or why it cannot be used (then the caller deletes it)."""
+        library = key_dir / LIBRARY_NAME
+        try:
+            record = _BuildRecord.model_validate_json((key_dir / _BUILD_RECORD).read_text())
+            built_for = (record.artifact_version, record.tl2cgen_version, record.toolchain)
+            wanted = (version, tl2cgen.__version__, self.settings.toolchain)
+            if built_for != wanted:
+                return f"{_BUILD_RECORD} describes {built_for}, expected {wanted}"
+            size = library.stat().st_size
+            # Check before dlopen: a truncated library crashes the process instead of raising.
+            if size != record.library_bytes or sha256_file(library) != record.library_sha256:
+                return f"{LIBRARY_NAME} does not match {_BUILD_RECORD} (truncated or modified)"
+        except (OSError, ValidationError) as error:
+            return f"incomplete cache entry: {error}"
+        try:
+            run = _open_predictor(library, self.settings.nthread, n_features)
+            diff = _max_abs_diff(_run_raw(run, check_x), reference)
+        except ModelLoadError as error:
+            return str(error)
+        if diff > self.settings.max_abs_diff:
+            return f"disagrees with xgboost (max abs diff {diff:.3g} > {self.settings.max_abs_diff:g})"
+        return run, diff
+
+    def _compile(self, cache_dir: Path, key: str, raw: bytes, model_file: str) -> _Compiled:
+        """Compile in a child process into a fresh build directory under ``cache_dir``."""
+        settings = self.settings
+        if shutil.which(settings.toolchain) is None:
+            return _Compiled(None, f"toolchain '{settings.toolchain}' not found on PATH", 0.0, [])
+        try:
+            build_dir = Path(tempfile.mkdtemp(prefix=f".build-{key}-", dir=cache_dir))
+        except OSError as error:
+            raise ModelLoadError(f"cannot create a build directory in {cache_dir}: {error}") from error
+        spec = {
+            "format": "json" if model_file.endswith(".json") else "ubjson",
+            "toolchain": settings.toolchain,
+            "library": str(build_dir / LIBRARY_NAME),
+            "parallel_comp": settings.parallel_comp,
+            "jobs": max(1, min(settings.parallel_comp, os.cpu_count() or 1)),
+        }
+        started = time.perf_counter()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=build_dir,
+                start_new_session=True,  # its own process group, so a timeout also kills gcc
+            )
+        except OSError as error:
+            shutil.rmtree(build_dir, ignore_errors=True)
+            return _Compiled(None, f"cannot start the compile process: {error}", 0.0, [])
+        try:
+            stdout, stderr = process.communicate(raw, timeout=settings.compile_timeout_seconds)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            shutil.rmtree(build_dir, ignore_errors=True)
+            return _Compiled(
+                None,
+                f"compile timed out after {settings.compile_timeout_seconds:g}s",
+                time.perf_counter() - started,
+                [],
+            )
+        seconds = time.perf_counter() - started
+        note, rest = _split_compile_output(stdout.decode(errors="replace"), stderr.decode(errors="replace"))
+        if process.returncode != 0 or not (build_dir / LIBRARY_NAME).is_file():
+            shutil.rmtree(build_dir, ignore_errors=True)
+            tail = (rest or stdout.decode(errors="replace").strip())[-_LOG_TAIL_CHARS:]
+            return _Compiled(None, f"compile failed (exit {process.returncode}): {tail}", seconds, [])
+        notes = [note] if note else []
+        if note:
+            logger.info(note)
+        for line in rest.splitlines():
+            if line.strip():
+                logger.warning("tl2cgen compile: %s", line.strip())
+                notes.append(line.strip())
+        logger.info("compiled %s with %s in %.2fs", key, settings.toolchain, seconds)
+        return _Compiled(build_dir, None, seconds, notes)
+
+    def _fallback(
+        self,
+        artifact: Artifact,
+        model_file: str,
+        raw: bytes,
+        check_x: FeatureMatrix,
+        reference: NDArray[np.float64],
+        details: dict[str, Any],
+        reason: str | None,
+    ) -> Callable[[FeatureMatrix], Any]:
+        """GTIL over the Treelite model, gated like a compiled library; only if the settings allow it."""
+        settings = self.settings
+        if not settings.allow_gtil_fallback:
+            raise ModelLoadError(
+                f"model '{self.name}' cannot be compiled ({reason}) and allow_gtil_fallback is off"
+            )
+        logger.warning("model '%s' falls back to Treelite GTIL: %s", self.name, reason)
+        try:
+            if model_file.endswith(".json"):
+                tl_model = treelite.frontend.from_xgboost_json(raw)
+            else:
+                tl_model = treelite.frontend.from_xgboost_ubjson(raw)
+        except treelite.TreeliteError as error:
+            raise ModelLoadError(f"{artifact.root / model_file}: treelite cannot read it: {error}") from error
+        nthread = settings.nthread
+
+        def run(batch: FeatureMatrix) -> Any:
+            return treelite.gtil.predict(tl_model, batch, nthread=nthread)
+
+        diff = _max_abs_diff(_run_raw(run, check_x), reference)
+        if diff > settings.max_abs_diff:
+            raise ModelLoadError(
+                f"GTIL disagrees with xgboost on the check batch (max abs diff {diff:.3g} > "
+                f"{settings.max_abs_diff:g}); refusing version {artifact.version}"
+            )
+        details.update(engine="gtil", fallback_reason=reason)
+        details["gate"] = self._gate_details(check_x, diff)
+        return run
+
+    def _gate_details(self, check_x: FeatureMatrix, diff: float) -> dict[str, Any]:
+        return {"rows": int(check_x.shape[0]), "max_abs_diff": diff, "tolerance": self.settings.max_abs_diff}
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+
+
+def _run_locked(engine: _Engine, batch: FeatureMatrix) -> NDArray[np.float64]:
+    """One engine call at a time (tl2cgen's contract), flattened to float64 ``(n,)``."""
+    rows = batch.shape[0]
+    with engine.lock:
+        try:
+            raw = engine.run(batch)
+        except (tl2cgen.TL2cgenError, treelite.TreeliteError, ValueError) as error:
+            raise ModelUnavailable(f"prediction failed: {error}") from error
+    scores = np.asarray(raw, dtype=np.float64)
+    if scores.size != rows:
+        raise ModelUnavailable(f"the predictor returned shape {scores.shape} for {rows} rows")
+    return scores.reshape(rows)
+
+
+def _run_raw(run: Callable[[FeatureMatrix], Any], batch: FeatureMatrix) -> NDArray[np.float64]:
+    """An unlocked engine call during load (nobody else holds the engine yet), as float64 ``(n,)``."""
+    try:
+        scores = np.asarray(run(batch), dtype=np.float64)
+    except (tl2cgen.TL2cgenError, treelite.TreeliteError, ValueError) as error:
+        raise ModelLoadError(f"the predictor failed on the check batch: {error}") from error
+    if scores.size != batch.shape[0]:
+        raise ModelLoadError(f"the predictor returned shape {scores.shape} for {batch.shape[0]} rows")
+    return scores.reshape(batch.shape[0])
+
+
+def _open_predictor(library: Path, nthread: int, n_features: int) -> Callable[[FeatureMatrix], Any]:
+    """Load a compiled library and check it is a single-output model of ``n_features`` features."""
+    try:
+        predictor = tl2cgen.Predictor(library, nthread=nthread)
+    except (tl2cgen.TL2cgenError, OSError) as error:
+        raise ModelLoadError(f"cannot load {library}: {error}") from error
+    shape = (predictor.num_feature, predictor.num_target, [int(c) for c in predictor.num_class])
+    if shape != (n_features, 1, [1]):
+        raise ModelLoadError(
+            f"{library}: compiled for (features, targets, classes) {shape}, expected ({n_features}, 1, [1])"
+        )
+
+    def run(batch: FeatureMatrix) -> Any:
+        # tl2cgen 1.0 returns (rows, targets, classes) = (n, 1, 1) float32 for binary:logistic.
+        return predictor.predict(tl2cgen.DMatrix(batch))
+
+    return run
+
+
+def _publish(build_dir: Path, key_dir: Path, version: str, toolchain: str, seconds: float) -> None:
+    """Write ``build.json`` and rename the whole build directory into place: it appears complete or not."""
+    library = build_dir / LIBRARY_NAME
+    record = _BuildRecord(
+        artifact_version=version,
+        tl2cgen_version=tl2cgen.__version__,
+        toolchain=toolchain,
+        library_sha256=sha256_file(library),
+        library_bytes=library.stat().st_size,
+        compile_seconds=round(seconds, 3),
+    )
+    try:
+        (build_dir / _BUILD_RECORD).write_text(record.model_dump_json(indent=2) + "\n")
+        for path in (library, build_dir / _BUILD_RECORD):
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+        build_dir.chmod(0o755)  # mkdtemp makes it 0700; other users of a shared cache read it too
+        os.rename(build_dir, key_dir)
+    except OSError as error:
+        raise ModelLoadError(f"cannot publish the compiled library to {key_dir}: {error}") from error
+
+
+@contextlib.contextmanager
+def _cache_lock(path: Path) -> Iterator[None]:
+    """Exclusive lock per cache entry, across threads and processes: one compiles, the others reuse it."""
+    with path.open("a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _split_compile_output(stdout: str, stderr: str) -> tuple[str | None, str]:
+    """Separate the bundled-Treelite version notice (expected) from the rest of the child's stderr.
+
+    tl2cgen's progress lines on stdout go to debug logging. Returns the notice rewritten as one line (or
+    ``None``) and the remaining stderr text, which is what a failure reason or a warning should show.
+    """
+    for line in stdout.splitlines():
+        if line.strip():
+            logger.debug("tl2cgen: %s", line.strip())
+    skew = _SKEW_NOTICE.search(stderr)
+    if skew is None:
+        return None, stderr.strip()
+    note = (
+        f"tl2cgen {tl2cgen.__version__} bundles Treelite {skew.group(1)}, older than the installed Treelite "
+        f"{treelite.__version__} that serialised the model; expected, and the equality gate verifies the "
+        "compiled library"
+    )
+    rest = "\n".join(
+        line
+        for line in stderr.splitlines()
+        if "newer Treelite version" not in line
+        and "Currently running Treelite" not in line
+        and "checkpoint was generated" not in line
+    )
+    return note, rest.strip()
+
+
+def _read_model_file(artifact: Artifact) -> tuple[str, bytes]:
+    """The one model file's name and bytes, re-hashed so what is loaded is exactly what was verified."""
+    names = artifact.files_with_role("model")
+    if len(names) != 1 or names[0] not in MODEL_FILES:
+        raise ModelLoadError(
+            f"{artifact.root}: expected one model file named one of {MODEL_FILES}, got {names}"
+        )
+    name = names[0]
+    try:
+        raw = artifact.path(name).read_bytes()
+    except OSError as error:
+        raise ModelLoadError(f"{artifact.root / name}: cannot read: {error}") from error
+    if sha256_bytes(raw) != artifact.manifest.files[name].sha256:
+        raise ModelLoadError(f"{artifact.root / name}: changed after it was verified")
+    return name, raw
+
+
+def _load_booster(raw: bytes, path: Path, nthread: int) -> Any:
+    """XGBoost's reading of the model (JSON or UBJSON, detected from the bytes): the gate's reference."""
+    booster = xgboost.Booster()
+    try:
+        booster.load_model(bytearray(raw))
+    except xgboost.core.XGBoostError as error:
+        raise ModelLoadError(f"{path}: xgboost cannot read it: {error}") from error
+    booster.set_param({"nthread": nthread})
+    return booster
+
+
+def _read_golden(artifact: Artifact, n_features: int) -> tuple[FeatureMatrix, NDArray[np.float64]] | None:
+    """Golden rows and their recorded predictions, or ``None`` when the artifact has no golden file."""
+    if GOLDEN_FILE not in artifact.manifest.files:
+        return None
+    data = artifact.read_json(GOLDEN_FILE)
+    try:
+        x = np.ascontiguousarray(np.asarray(data["x"], dtype=np.float32))
+        expected = np.asarray(data["expected"], dtype=np.float64)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ModelLoadError(f"{artifact.root / GOLDEN_FILE}: malformed: {error}") from error
+    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != n_features or expected.shape != (x.shape[0],):
+        raise ModelLoadError(
+            f"{artifact.root / GOLDEN_FILE}: x {x.shape} and expected {expected.shape} do not fit "
+            f"{n_features} features"
+        )
+    return x, expected
+
+
+def _split_thresholds(model_json: Any, n_features: int) -> list[NDArray[np.float32]]:
+    """Sorted unique numeric split thresholds per feature, read from XGBoost's JSON model."""
+    values: list[list[float]] = [[] for _ in range(n_features)]
+    try:
+        gbm = model_json["learner"]["gradient_booster"]
+        trees = (gbm["model"] if "model" in gbm else gbm["gbtree"]["model"])["trees"]
+        for tree in trees:
+            lefts = tree["left_children"]
+            split_types = tree.get("split_type") or [0] * len(lefts)
+            for left, feature, condition, split_type in zip(
+                lefts, tree["split_indices"], tree["split_conditions"], split_types, strict=True
+            ):
+                if left != -1 and split_type == 0 and 0 <= feature < n_features:
+                    values[feature].append(condition)
+    except (KeyError, TypeError, ValueError):
+        logger.debug("unexpected XGBoost JSON layout; the generated check rows will not target splits")
+    return [np.unique(np.asarray(v, dtype=np.float32)) for v in values]
+
+
+def _threshold_rows(thresholds: list[NDArray[np.float32]], rows: int, seed: int) -> FeatureMatrix:
+    """Deterministic rows whose values sit on, just below and just above split thresholds, some missing.
+
+    Ties at a threshold and the default direction of missing values are where a compiled model most
+    plausibly differs from XGBoost, so every column is drawn from exactly those values.
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, len(thresholds))).astype(np.float32)
+    for column, cuts in enumerate(thresholds):
+        if cuts.size == 0:
+            continue
+        below = np.nextafter(cuts, np.float32(-np.inf))
+        above = np.nextafter(cuts, np.float32(np.inf))
+        outside = np.asarray([cuts[0] - 1, cuts[-1] + 1], dtype=np.float32)
+        candidates = np.concatenate([cuts, below, above, outside])
+        candidates = candidates[np.isfinite(candidates)]
+        x[:, column] = rng.choice(candidates, size=rows)
+    x[rng.random(x.shape) < _MISSING_FRACTION] = np.nan
+    return np.ascontiguousarray(x)
+
+
+def _max_abs_diff(got: NDArray[np.float64], want: NDArray[np.float64]) -> float:
+    """Largest |got - want|; infinite when either holds a non-finite value."""
+    if not (np.isfinite(got).all() and np.isfinite(want).all()):
+        return float("inf")
+    return float(np.max(np.abs(got - want))) if got.size else 0.0
