@@ -1,0 +1,63 @@
+"""Shared helpers for the benchmarks: timing with medians, JSON results and plots."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def time_calls(call: Callable[[], object], *, repeats: int, warmup: int = 3) -> list[float]:
+    """Wall-clock seconds of ``repeats`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        call()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def summary(samples: list[float], rows: int) -> dict[str, float]:
+    """Median and p99 in microseconds, and rows per second at the median."""
+    ordered = sorted(samples)
+    median = statistics.median(ordered)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return {"median_us": median * 1e6, "p99_us": p99 * 1e6, "rows_per_s": rows / median}
+
+
+def write_results(out_dir: Path, name: str, results: dict[str, Any]) -> Path:
+    """Write ``results`` as ``out_dir/name.json`` and return the path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    return path
+
+
+def plot_latency(out_dir: Path, name: str, series: dict[str, dict[int, float]], title: str) -> Path:
+    """Median latency against batch size, one line per series, log-log, as ``out_dir/name.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for label, points in series.items():
+        batches = sorted(points)
+        axis.plot(batches, [points[b] for b in batches], marker="o", label=label)
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("batch size (rows)")
+    axis.set_ylabel("median latency (µs)")
+    axis.set_title(title)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    path = out_dir / f"{name}.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

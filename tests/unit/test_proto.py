@@ -1,0 +1,22 @@
+"""The committed gRPC code is what protoc generates from the committed .proto (no drift)."""
+
+from __future__ import annotations
+
+from riskserve.pipelines.proto import generate
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+
+
+def test_generated_code_matches_the_proto() -> None:
+    assert generate.main(["--check"]) == 0
+
+
+def test_the_contract_keeps_its_field_numbers() -> None:
+    fields = {f.name: f.number for f in pb.DecideResponse.DESCRIPTOR.fields}
+    assert fields == {
+        "request_id": 1, "decision": 2, "risk_score": 3, "models": 4, "reasons": 5, "pipeline": 6,
+        "pipeline_version": 7, "trace_id": 8,
+    }  # fmt: skip
+    assert [m.name for m in pb.DESCRIPTOR.services_by_name["RiskPipeline"].methods] == [
+        "Decide", "DecideBatch", "Describe", "Feedback",
+    ]  # fmt: skip
+    assert pb.Decision.Value("DECLINE") == 3
