@@ -1,0 +1,45 @@
+"""The one place where a Python error becomes a gRPC status: riskserve errors map by their class.
+
+Ray Serve's gRPC proxy turns an exception raised in the ingress into INTERNAL with a Ray traceback, so the
+ingress catches everything and sets the code and details on the context itself. Nothing becomes UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+from ray.serve.exceptions import BackPressureError
+
+from riskserve.platform.errors import Overloaded, RiskServeError
+
+__all__ = ["set_status", "status_of"]
+
+logger = logging.getLogger(__name__)
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """Ray wraps errors raised in another replica (``RayTaskError``); the cause is what we mapped."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and details for an error raised while serving a call."""
+    error = _unwrap(error)
+    if isinstance(error, RiskServeError):
+        return error.grpc_status, str(error)
+    if isinstance(error, BackPressureError):  # a deployment's queue is full (max_queued_requests)
+        return Overloaded.grpc_status, f"overloaded: {error}"
+    if isinstance(error, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "the decision did not finish in time"
+    logger.exception("unexpected error while serving a call", exc_info=error)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__})"
+
+
+def set_status(context: Any, error: BaseException) -> None:
+    """Set ``error``'s status on a Ray Serve gRPC context (the caller then returns an empty response)."""
+    code, details = status_of(error)
+    context.set_code(code)
+    context.set_details(details)

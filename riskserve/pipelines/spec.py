@@ -1,0 +1,251 @@
+"""The pipeline YAML: features, models, pools and decision rules, validated in one pass.
+
+:func:`load_pipeline` reports every problem at once, each with its path
+(``models.fraud.timeout_ms: must be > 0``), so a person fixes a file in one round.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel as _Schema
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+from riskserve.features.spec import FeatureSpec
+from riskserve.platform.errors import ConfigError
+
+__all__ = [
+    "DecisionSpec",
+    "FallbackSpec",
+    "ModelSpec",
+    "Outcome",
+    "PipelineSpec",
+    "PoolSpec",
+    "RuleSpec",
+    "ServingSpec",
+    "StageSpec",
+    "load_pipeline",
+    "parse_pipeline",
+]
+
+_NAME = r"^[A-Za-z][A-Za-z0-9_-]*$"
+Outcome = Literal["APPROVE", "REVIEW", "DECLINE"]
+
+
+class _Strict(_Schema):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PoolSpec(_Strict):
+    """A named share of the cluster that models are placed on (a Ray custom resource per pool)."""
+
+    cpus: float = Field(default=0, ge=0)
+    """CPU capacity of the pool, shared by the models placed on it."""
+    gpus: float = Field(default=0, ge=0)
+    """GPU capacity of the pool; models take fractions of it."""
+    memory_gb: float | None = Field(default=None, gt=0)
+    """Memory capacity, if the pool limits it."""
+    node_group: str | None = None
+    """KubeRay worker group whose nodes carry this pool (informational on a single machine)."""
+
+
+class FallbackSpec(_Strict):
+    """What stands in for a model's answer when it fails, times out or its breaker is open."""
+
+    score: float | None = Field(default=None, ge=0, le=1)
+    """Fixed score used in the decision."""
+    label: str | None = None
+    """Fixed label (text models)."""
+    review: bool = False
+    """Force at least REVIEW when this model falls back."""
+
+    @model_validator(mode="after")
+    def _something(self) -> FallbackSpec:
+        if self.score is None and not self.review:
+            raise ValueError("a fallback needs a 'score' or 'review: true'")
+        return self
+
+
+class ModelSpec(_Strict):
+    """One model of the pipeline and how it is served."""
+
+    kind: Literal["vllm", "treelite", "sklearn"]
+    """Backend."""
+    artifact: Path
+    """Artifact directory; a relative path is relative to the YAML file."""
+    pool: str
+    """Name of the pool the model's replicas are placed on."""
+    replicas: int = Field(default=1, ge=1, le=64)
+    num_cpus: float = Field(default=1.0, ge=0)
+    """CPUs each replica takes from its pool."""
+    num_gpus: float = Field(default=0, ge=0, le=8)
+    """GPUs (fractions allowed) each replica takes from its pool."""
+    timeout_ms: float = Field(gt=0, le=60_000)
+    """Budget of one call; past it the fallback is used."""
+    fallback: FallbackSpec
+    columns: list[str] | Literal["all"] = "all"
+    """Feature columns the model reads, in order (tabular models)."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """Backend settings (see each wrapper's settings class), checked when the pipeline is validated."""
+    max_ongoing_requests: int = Field(default=16, ge=1)
+    """Requests one replica works on at once."""
+    max_queued_requests: int = Field(default=64, ge=-1)
+    """Requests waiting for a replica before callers get RESOURCE_EXHAUSTED (-1: unbounded)."""
+
+
+class RuleSpec(_Strict):
+    """A decision rule: a CEL condition, the outcome it asks for, and the reason given to the caller."""
+
+    name: str = Field(pattern=_NAME)
+    when: str = Field(min_length=1)
+    """CEL boolean over ``risk_score``, ``models.<name>.{score,label,fallback}``, ``features.<field>``."""
+    outcome: Outcome
+    reason: str = Field(min_length=1)
+
+
+class DecisionSpec(_Strict):
+    """How model outputs combine into one risk score, and the rules that turn it into an outcome.
+
+    Every rule is evaluated; the most severe outcome that matched wins (DECLINE > REVIEW > APPROVE) and the
+    reasons of all matched rules are returned in order.
+    """
+
+    risk_score: str = Field(min_length=1)
+    """CEL expression giving a double; clamped into [0, 1]."""
+    rules: list[RuleSpec] = Field(default_factory=list)
+    default: Outcome = "APPROVE"
+    default_reason: str = "no rule matched"
+
+
+class StageSpec(_Strict):
+    """Placement of a pipeline's own deployments (the feature stage, the ingress)."""
+
+    pool: str | None = None
+    """Pool to place it on; default: the first pool declared."""
+    num_cpus: float = Field(default=0.25, ge=0)
+    replicas: int = Field(default=1, ge=1, le=64)
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    max_queued_requests: int = Field(default=256, ge=-1)
+
+
+class ServingSpec(_Strict):
+    """How the pipeline's own stages are served."""
+
+    features: StageSpec = StageSpec()
+    ingress: StageSpec = StageSpec()
+    access_log: bool = False
+    """Ray Serve's per-request access log lines; off by default, they cost CPU on every hop."""
+
+
+class PipelineSpec(_Strict):
+    """A whole risk-decision pipeline."""
+
+    name: str = Field(pattern=_NAME)
+    """Also the Ray Serve application name, chosen by the gRPC ``application`` metadata."""
+    version: str = Field(min_length=1)
+    description: str = ""
+    features: FeatureSpec
+    models: dict[str, ModelSpec] = Field(min_length=1)
+    pools: dict[str, PoolSpec] = Field(min_length=1)
+    decision: DecisionSpec
+    serving: ServingSpec = ServingSpec()
+    base_dir: Path = Field(default=Path("."), exclude=True)
+    """Directory relative artifact paths are resolved against (the YAML file's; not written in YAML)."""
+
+    def artifact_path(self, model: str) -> Path:
+        """Absolute artifact directory of a model."""
+        path = self.models[model].artifact
+        return path if path.is_absolute() else (self.base_dir / path).resolve()
+
+    def model_columns(self, model: str) -> list[str]:
+        """Feature columns a model reads, in order ("all" expanded)."""
+        columns = self.models[model].columns
+        return self.features.column_names() if columns == "all" else list(columns)
+
+    @staticmethod
+    def pool_resource(pool: str) -> str:
+        """Ray custom resource that stands for a pool's capacity."""
+        return f"riskserve_pool_{pool}"
+
+    def stage_pool(self, stage: StageSpec) -> str:
+        """The pool a pipeline stage runs on."""
+        return stage.pool or next(iter(self.pools))
+
+    def resolved(self) -> dict[str, Any]:
+        """The spec as plain data with absolute artifact paths, for passing to Serve deployments."""
+        data = self.model_dump(mode="json")
+        for name in self.models:
+            data["models"][name]["artifact"] = str(self.artifact_path(name))
+        return data
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _reference_errors(spec: PipelineSpec) -> list[str]:
+    from riskserve.pipelines.rules import rule_errors
+    from riskserve.wrappers import backend
+
+    errors: list[str] = []
+    for stage_name in ("features", "ingress"):
+        pool = getattr(spec.serving, stage_name).pool
+        if pool is not None and pool not in spec.pools:
+            errors.append(
+                f"serving.{stage_name}.pool: unknown pool '{pool}' (pools: {', '.join(spec.pools)})"
+            )
+    columns = set(spec.features.column_names())
+    for name, model in spec.models.items():
+        where = f"models.{name}"
+        if model.pool not in spec.pools:
+            errors.append(f"{where}.pool: unknown pool '{model.pool}' (pools: {', '.join(spec.pools)})")
+        if model.columns != "all":
+            missing = [c for c in model.columns if c not in columns]
+            if missing:
+                errors.append(f"{where}.columns: not produced by the features: {missing}")
+        if model.fallback.label is not None and model.kind != "vllm":
+            errors.append(f"{where}.fallback.label: only text models have labels")
+        try:
+            _, settings_class = backend(model.kind)
+            settings_class.model_validate(
+                {"name": name, "artifact": spec.artifact_path(name), **model.settings}
+            )
+        except ValidationError as error:
+            for item in error.errors():
+                errors.append(f"{where}.settings.{_path(item['loc'])}: {item['msg']}")
+    errors += rule_errors(spec)
+    return errors
+
+
+def parse_pipeline(data: object, *, base_dir: Path | str = ".", source: str = "pipeline") -> PipelineSpec:
+    """Validate a parsed YAML document as a pipeline.
+
+    Raises:
+        ConfigError: listing every problem with its path.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level")
+    try:
+        spec = PipelineSpec.model_validate({**data, "base_dir": Path(base_dir)})
+    except ValidationError as error:
+        lines = [f"{_path(item['loc'])}: {item['msg']}" for item in error.errors()]
+        raise ConfigError(f"{source}: {len(lines)} error(s)\n  " + "\n  ".join(lines)) from error
+    problems = _reference_errors(spec)
+    if problems:
+        raise ConfigError(f"{source}: {len(problems)} error(s)\n  " + "\n  ".join(problems))
+    return spec
+
+
+def load_pipeline(path: Path | str) -> PipelineSpec:
+    """Read and validate a pipeline YAML file; relative artifact paths resolve against its directory."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"{path}: cannot read the pipeline: {error}") from error
+    return parse_pipeline(data, base_dir=path.parent.resolve(), source=str(path))

@@ -1,0 +1,86 @@
+"""Real Ray Serve with its gRPC proxy on loopback, shared by the integration tests of a session."""
+
+from __future__ import annotations
+
+import os
+
+# Before Ray is imported: bind Ray's own processes to loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import copy
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+
+from ..conftest import PIPELINES
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ServeCluster:
+    """A running Ray + Serve with the riskserve gRPC service registered."""
+
+    grpc_port: int
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
+
+
+@pytest.fixture(scope="session")
+def serve_cluster() -> Iterator[ServeCluster]:
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from riskserve.pipelines.app import GRPC_SERVICER_FUNCTIONS
+
+    ray.init(
+        address="local",
+        num_cpus=6,
+        resources={"riskserve_pool_cpu": 16, "riskserve_pool_llm": 4},
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    port = free_port()
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": free_port()},
+        grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
+    )
+    try:
+        yield ServeCluster(grpc_port=port)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def pipeline_on(name: str, models: Path, **overrides: Any) -> PipelineSpec:
+    """A shipped pipeline YAML with its artifacts pointed at ``models`` (the session's demo models)."""
+    data = copy.deepcopy(yaml.safe_load((PIPELINES / name).read_text()))
+    for model_name, model in data["models"].items():
+        model["artifact"] = str(models / model_name)
+    data.update(overrides)
+    return parse_pipeline(data, base_dir=PIPELINES, source=name)
+
+
+def deploy(spec: PipelineSpec) -> None:
+    """Deploy a pipeline as a Serve application named after it and wait until it is running."""
+    from ray import serve
+
+    from riskserve.pipelines.app import build_application
+
+    serve.run(build_application(spec), name=spec.name, route_prefix=f"/{spec.name}")

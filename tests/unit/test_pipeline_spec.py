@@ -1,0 +1,216 @@
+"""Pipeline YAML validation, the feature encoder and CEL decision rules."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from riskserve.demo.dataset import FEATURE_NAMES, generate_transactions, tabular_features
+from riskserve.features.encoder import FeatureEncoder, RawRequest
+from riskserve.pipelines.rules import DecisionEngine, ModelResult
+from riskserve.pipelines.spec import load_pipeline, parse_pipeline
+from riskserve.platform.errors import ConfigError, InvalidInput
+
+PIPELINES = Path(__file__).resolve().parents[2] / "deploy" / "pipelines"
+
+
+@pytest.fixture(scope="module")
+def card_fraud_yaml() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((PIPELINES / "card_fraud.yaml").read_text())
+    return data
+
+
+def _request(row: dict[str, float | str]) -> RawRequest:
+    return RawRequest(
+        numeric={k: v for k, v in row.items() if isinstance(v, float)},
+        categorical={k: v for k, v in row.items() if isinstance(v, str) and k != "text"},
+        text=str(row["text"]),
+    )
+
+
+@pytest.mark.parametrize("name", ["card_fraud.yaml", "tabular_only.yaml"])
+def test_shipped_pipelines_validate(name: str) -> None:
+    spec = load_pipeline(PIPELINES / name)
+    assert spec.features.column_names() == list(FEATURE_NAMES)
+    assert all(spec.artifact_path(m).is_absolute() for m in spec.models)
+
+
+def test_the_feature_stage_reproduces_the_training_features_bit_for_bit() -> None:
+    spec = load_pipeline(PIPELINES / "card_fraud.yaml")
+    encoder = FeatureEncoder(spec.features)
+    tx = generate_transactions(500, seed=11)
+    rows = [encoder.validate(_request(tx.row(i))) for i in range(len(tx))]
+    batch = encoder.encode(rows)
+    assert batch.matrix.dtype == np.float32
+    assert batch.matrix.flags.c_contiguous
+    assert batch.columns == list(FEATURE_NAMES)
+    np.testing.assert_array_equal(batch.matrix, tabular_features(tx))
+    assert batch.texts == tx.text
+
+
+def _errors(data: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_pipeline(data, base_dir=PIPELINES)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            lambda d: d["models"]["fraud"].update(timeout_ms=0),
+            "models.fraud.timeout_ms: Input should be greater than 0",
+        ),
+        (
+            lambda d: d["models"]["fraud"].update(timout_ms=5),
+            "models.fraud.timout_ms: Extra inputs are not permitted",
+        ),
+        (lambda d: d["models"]["credit"].update(pool="gpu9"), "models.credit.pool: unknown pool 'gpu9'"),
+        (lambda d: d["models"]["credit"].update(kind="onnx"), "models.credit.kind: Input should be"),
+        (lambda d: d["models"]["fraud"].update(columns=["nope"]), "models.fraud.columns: not produced"),
+        (lambda d: d["models"]["fraud"]["fallback"].clear(), "models.fraud.fallback: Value error"),
+        (
+            lambda d: d["decision"]["rules"][0].update(when="risk_score >"),
+            "decision.rules[0].when: Failed to parse",
+        ),
+        (lambda d: d["decision"]["rules"][1].update(when="risk_score > 1"), None),
+        (
+            lambda d: d["decision"]["rules"][1].update(when="risk_sore > 0.5"),
+            "decision.rules[1].when: Undefined",
+        ),
+        (
+            lambda d: d["decision"]["rules"][1].update(when="risk_score * 2"),
+            "decision.rules[1].when: gives float",
+        ),
+        (lambda d: d["decision"].update(risk_score="0.5 * 2"), "decision.risk_score: Unsupported operation"),
+        (lambda d: d["features"]["fields"]["amount"].update(min=-5), "log1p needs the field's min > -1"),
+        (lambda d: d["features"]["columns"].append({"name": "hour", "field": "hour"}), "column names repeat"),
+        (
+            lambda d: d["models"]["intent"]["settings"].update(max_num_seqz=3),
+            "models.intent.settings.max_num_seqz",
+        ),
+    ],
+)
+def test_yaml_errors_name_their_path(
+    card_fraud_yaml: dict[str, Any], edit: Any, expected: str | None
+) -> None:
+    data = copy.deepcopy(card_fraud_yaml)
+    edit(data)
+    if expected is None:
+        parse_pipeline(data, base_dir=PIPELINES)  # CEL compares double with int: allowed
+    else:
+        assert expected in _errors(data)
+
+
+def test_all_errors_are_reported_at_once(card_fraud_yaml: dict[str, Any]) -> None:
+    data = copy.deepcopy(card_fraud_yaml)
+    data["models"]["fraud"]["timeout_ms"] = -1
+    data["models"]["credit"]["replicas"] = 0
+    message = _errors(data)
+    assert "2 error(s)" in message
+    assert "models.credit.replicas" in message
+    assert "models.fraud.timeout_ms" in message
+
+
+GOOD = {"amount": 120.0, "account_age_days": 400.0, "txn_velocity_1h": 1.0, "hour": 13.0}
+GOOD_CAT = {"merchant_category": "grocery", "channel": "pos"}
+
+
+@pytest.mark.parametrize(
+    ("numeric", "categorical", "text", "field", "message"),
+    [
+        ({k: v for k, v in GOOD.items() if k != "amount"}, GOOD_CAT, "", "amount", "required"),
+        ({**GOOD, "amount": float("nan")}, GOOD_CAT, "", "amount", "not a finite"),
+        ({**GOOD, "amount": float("inf")}, GOOD_CAT, "", "amount", "not a finite"),
+        ({**GOOD, "hour": 24.0}, GOOD_CAT, "", "hour", "above the maximum 23"),
+        ({**GOOD, "amount": 0.0}, GOOD_CAT, "", "amount", "below the minimum"),
+        (GOOD, {**GOOD_CAT, "channel": "carrier-pigeon"}, "", "channel", "not one of"),
+        (GOOD, {"merchant_category": "grocery"}, "", "channel", "required"),
+        ({**GOOD, "amout": 5.0}, GOOD_CAT, "", "amout", "unknown numeric field"),
+        (GOOD, {**GOOD_CAT, "amount": "5"}, "", "amount", "is a numeric field"),
+        (GOOD, GOOD_CAT, "x" * 501, "text", "at most 500"),
+    ],
+)
+def test_bad_requests_name_the_field(
+    numeric: dict[str, float], categorical: dict[str, str], text: str, field: str, message: str
+) -> None:
+    encoder = FeatureEncoder(load_pipeline(PIPELINES / "card_fraud.yaml").features)
+    with pytest.raises(InvalidInput, match=message) as info:
+        encoder.validate(RawRequest(numeric=numeric, categorical=categorical, text=text))
+    assert info.value.field == field
+
+
+def test_defaults_and_the_unknown_bucket() -> None:
+    encoder = FeatureEncoder(load_pipeline(PIPELINES / "card_fraud.yaml").features)
+    row = encoder.validate(RawRequest(numeric=GOOD, categorical={**GOOD_CAT, "merchant_category": "casino"}))
+    assert row.numeric["country_mismatch"] == 0.0
+    matrix = encoder.encode([row]).matrix
+    assert matrix[0, FEATURE_NAMES.index("merchant_category=<unknown>")] == 1.0
+    assert matrix[0, FEATURE_NAMES.index("merchant_category=grocery")] == 0.0
+
+
+def test_hash_and_ordinal_encodings_are_stable(card_fraud_yaml: dict[str, Any]) -> None:
+    data = copy.deepcopy(card_fraud_yaml)
+    data["features"]["columns"] += [
+        {"name": "mcc_hash", "field": "merchant_category", "encoding": "hash", "buckets": 8},
+        {"name": "mcc_code", "field": "merchant_category", "encoding": "ordinal"},
+    ]
+    data["models"]["fraud"]["columns"] = list(FEATURE_NAMES)
+    data["models"]["credit"]["columns"] = list(FEATURE_NAMES)
+    encoder = FeatureEncoder(parse_pipeline(data, base_dir=PIPELINES).features)
+    rows = [encoder.validate(RawRequest(numeric=GOOD, categorical={**GOOD_CAT, "merchant_category": v}))
+            for v in ("travel", "travel", "casino")]  # fmt: skip
+    matrix = encoder.encode(rows).matrix
+    hashed = matrix[:, 20:28]
+    assert hashed.sum(axis=1).tolist() == [1.0, 1.0, 1.0]
+    np.testing.assert_array_equal(hashed[0], hashed[1])
+    assert matrix[:, 28].tolist() == [4.0, 4.0, 8.0]
+
+
+def _decide(
+    spec_name: str, scores: dict[str, tuple[float, str, bool]], numeric: dict[str, float] | None = None
+):  # type: ignore[no-untyped-def]
+    spec = load_pipeline(PIPELINES / spec_name)
+    encoder = FeatureEncoder(spec.features)
+    row = encoder.validate(
+        RawRequest(numeric={**GOOD, **(numeric or {})}, categorical=GOOD_CAT, text="hello")
+    )
+    results = {
+        name: ModelResult(
+            name=name, version="v", score=s, label=label, fallback=fb, fallback_reason="TIMEOUT" if fb else ""
+        )
+        for name, (s, label, fb) in scores.items()
+    }
+    return DecisionEngine(spec).decide(row, results)
+
+
+def test_rules_combine_to_the_most_severe_outcome_with_every_reason() -> None:
+    low = _decide(
+        "card_fraud.yaml",
+        {"fraud": (0.01, "", False), "credit": (0.02, "", False), "intent": (0.9, "purchase", False)},
+    )
+    assert low.outcome == "APPROVE"
+    assert low.reasons == ["low risk"]
+    assert low.risk_score == pytest.approx(0.45 * 0.01 + 0.35 * 0.02)
+    high = _decide(
+        "card_fraud.yaml",
+        {"fraud": (0.9, "", False), "credit": (0.8, "", False), "intent": (0.95, "urgent", False)},
+        numeric={"amount": 900.0},
+    )
+    assert high.outcome == "DECLINE"
+    assert high.risk_score == pytest.approx(0.45 * 0.9 + 0.35 * 0.8 + 0.2 * 0.95)
+    assert [r.split(":")[0] for r in high.reasons] == ["high_risk", "pressure_language"]
+
+
+def test_a_fallback_that_asks_for_review_forces_it() -> None:
+    decision = _decide(
+        "card_fraud.yaml",
+        {"fraud": (0.5, "", True), "credit": (0.01, "", False), "intent": (0.9, "purchase", False)},
+    )
+    assert decision.outcome == "REVIEW"
+    assert "fraud: model unavailable (TIMEOUT), decided without it" in decision.reasons
