@@ -1,13 +1,24 @@
-"""The ``riskserve`` command line. Arguments are parsed in :func:`main`, never at import time."""
+"""The ``riskserve`` command line. Arguments are parsed in :func:`main`, never at import time.
+
+riskserve models build --out models/        build the demo models (deterministic)
+riskserve up PIPELINE.yaml [...]             start a local Ray + Serve with the pipelines (or --address)
+riskserve decide --pipeline NAME --json '{...}'
+riskserve describe --pipeline NAME
+riskserve status
+riskserve down
+riskserve export serve-config PIPELINE.yaml  print a `serve deploy`-able config
+riskserve demo                               the whole story on real gRPC
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from riskserve.platform.errors import RiskServeError
+from riskserve.platform.errors import ConfigError, NotFound, RiskServeError
 
 __all__ = ["main"]
 
@@ -24,8 +35,102 @@ def _models_build(args: argparse.Namespace) -> int:
     return 1 if failing else 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    from riskserve.pipelines.local import deploy_to_cluster, up_local
+
+    if args.address:
+        names = deploy_to_cluster(args.pipelines, address=args.address, grpc_port=args.grpc_port)
+        print(
+            f"deployed {', '.join(names)} to {args.address}; gRPC on port {args.grpc_port} of the head node"
+        )
+        return 0
+    state = up_local(args.pipelines, grpc_port=args.grpc_port)
+    print(
+        f"riskserve is up: {', '.join(state.pipelines)} on {state.target} (gRPC, metadata application=NAME)"
+    )
+    print(f"  Ray GCS {state.gcs_address}; log {state.log}; stop with `riskserve down`")
+    return 0
+
+
+def _target(args: argparse.Namespace) -> str:
+    if args.target:
+        return str(args.target)
+    from riskserve.pipelines.local import read_state
+
+    state = read_state()
+    if state is None:
+        raise NotFound(
+            "no local riskserve is running: `riskserve up PIPELINE.yaml` or pass --target HOST:PORT"
+        )
+    return state.target
+
+
+def _decide(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from riskserve.pipelines.client import RiskClient, split_fields
+
+    try:
+        fields = json.loads(args.json)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--json is not valid JSON: {error}") from error
+    if not isinstance(fields, dict):
+        raise ConfigError("--json must be an object of fields")
+    structured = {"numeric", "categorical", "text", "request_id"}
+    with RiskClient(_target(args), pipeline=args.pipeline, timeout_s=args.timeout) as client:
+        if set(fields) <= structured and ("numeric" in fields or "categorical" in fields):
+            response = client.decide(**fields)
+        else:
+            response = client.decide_request(split_fields(fields))
+    print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
+    return 0
+
+
+def _describe(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from riskserve.pipelines.client import RiskClient
+
+    with RiskClient(_target(args), pipeline=args.pipeline, timeout_s=args.timeout) as client:
+        described = client.describe()
+    print(json.dumps(MessageToDict(described, preserving_proto_field_name=True), indent=2))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from riskserve.pipelines.status import print_status
+
+    return print_status()
+
+
+def _down(args: argparse.Namespace) -> int:
+    from riskserve.pipelines.local import down
+
+    state = down()
+    print(f"stopped riskserve ({', '.join(state.pipelines)}, pid {state.pid})")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import yaml
+
+    from riskserve.pipelines.serve_config import serve_config
+
+    config = serve_config(args.pipelines, grpc_port=args.grpc_port)
+    print(yaml.safe_dump(config, sort_keys=False), end="")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from riskserve.demo.run import run_demo
+
+    return run_demo(models=args.models, pipeline=args.pipeline, grpc_port=args.grpc_port)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="riskserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="riskserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     models = commands.add_parser("models", help="build and inspect model artifacts")
@@ -37,6 +142,43 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--force", action="store_true", help="rebuild even if a verified artifact exists")
     build.set_defaults(handler=_models_build)
 
+    up = commands.add_parser("up", help="serve pipelines: a local Ray by default, or an existing cluster")
+    up.add_argument("pipelines", nargs="+", type=Path, help="pipeline YAML files")
+    up.add_argument("--grpc-port", type=int, default=9000)
+    up.add_argument("--address", help="Ray cluster address (ray://... or HOST:PORT) instead of a local Ray")
+    up.set_defaults(handler=_up)
+
+    for name, handler, helptext in (
+        ("decide", _decide, "one decision over gRPC"),
+        ("describe", _describe, "a pipeline's features and models"),
+    ):
+        command = commands.add_parser(name, help=helptext)
+        command.add_argument("--pipeline", required=True, help="pipeline name (the gRPC application)")
+        command.add_argument("--target", help="HOST:PORT of the gRPC endpoint (default: the local riskserve)")
+        command.add_argument("--timeout", type=float, default=10.0, help="seconds")
+        if name == "decide":
+            command.add_argument(
+                "--json", required=True, help='fields, e.g. \'{"amount": 12.5, "channel": "pos"}\''
+            )
+        command.set_defaults(handler=handler)
+
+    commands.add_parser("status", help="pipelines, models, versions, replicas, health").set_defaults(
+        handler=_status
+    )
+    commands.add_parser("down", help="stop the local riskserve").set_defaults(handler=_down)
+
+    export = commands.add_parser("export", help="generate deployment files")
+    export_commands = export.add_subparsers(dest="export_command", required=True)
+    config = export_commands.add_parser("serve-config", help="a `serve deploy`-able Ray Serve config")
+    config.add_argument("pipelines", nargs="+", type=Path)
+    config.add_argument("--grpc-port", type=int, default=9000)
+    config.set_defaults(handler=_export)
+
+    demo = commands.add_parser("demo", help="up the card-fraud pipeline, real gRPC decisions, then down")
+    demo.add_argument("--models", type=Path, default=Path("models"))
+    demo.add_argument("--pipeline", type=Path, default=Path("deploy/pipelines/card_fraud.yaml"))
+    demo.add_argument("--grpc-port", type=int, default=9000)
+    demo.set_defaults(handler=_demo)
     return parser
 
 

@@ -1,0 +1,141 @@
+"""``RiskClient``: call a riskserve pipeline over gRPC from a program, with riskserve's typed errors.
+
+with RiskClient("127.0.0.1:9000", pipeline="card_fraud") as client:
+    response = client.decide(numeric={"amount": 42.0, ...}, categorical={...}, text="...")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.platform import errors
+
+__all__ = ["RiskClient", "split_fields"]
+
+_BY_STATUS: dict[grpc.StatusCode, type[errors.RiskServeError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidInput,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.ModelLoadError,
+    grpc.StatusCode.UNAVAILABLE: errors.ModelUnavailable,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.Overloaded,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.ABORTED: errors.Conflict,
+}
+
+
+def _raise(error: grpc.RpcError) -> errors.RiskServeError:
+    code = error.code()
+    cls = _BY_STATUS.get(code, errors.RiskServeError)
+    details = error.details() or code.name
+    if cls is errors.InvalidInput and ": " in details:
+        field, message = details.split(": ", 1)
+        return errors.InvalidInput(message, field=field)
+    return cls(details)
+
+
+def split_fields(fields: Mapping[str, Any]) -> pb.DecideRequest:
+    """A ``DecideRequest`` from flat fields: numbers are numeric, strings categorical, ``text`` the text.
+
+    ``request_id`` is taken as the request id. Booleans are refused (send 0/1).
+    """
+    request = pb.DecideRequest()
+    for name, value in fields.items():
+        if name == "request_id":
+            request.request_id = str(value)
+        elif name == "text":
+            request.text = str(value)
+        elif isinstance(value, bool):
+            raise errors.InvalidInput("booleans are not features; send 0 or 1", field=name)
+        elif isinstance(value, int | float):
+            request.numeric[name] = float(value)
+        elif isinstance(value, str):
+            request.categorical[name] = value
+        else:
+            raise errors.InvalidInput(f"unsupported value of type {type(value).__name__}", field=name)
+    return request
+
+
+class RiskClient:
+    """A gRPC client of one pipeline; errors come back as riskserve exceptions with the server's message."""
+
+    def __init__(self, target: str, *, pipeline: str, timeout_s: float = 10.0) -> None:
+        self.pipeline = pipeline
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.RiskPipelineStub(self._channel)  # type: ignore[no-untyped-call]
+        self._metadata = (("application", pipeline),)
+
+    def __enter__(self) -> RiskClient:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def _call(
+        self, method: Any, request: Any, timeout_s: float | None, metadata: Sequence[tuple[str, str]]
+    ) -> Any:
+        try:
+            return method(
+                request, metadata=self._metadata + tuple(metadata), timeout=timeout_s or self.timeout_s
+            )
+        except grpc.RpcError as error:
+            raise _raise(error) from error
+
+    def decide(
+        self,
+        *,
+        numeric: Mapping[str, float] | None = None,
+        categorical: Mapping[str, str] | None = None,
+        text: str = "",
+        request_id: str = "",
+        timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> pb.DecideResponse:
+        """One decision."""
+        request = pb.DecideRequest(
+            request_id=request_id, numeric=dict(numeric or {}), categorical=dict(categorical or {}), text=text
+        )
+        return self.decide_request(request, timeout_s=timeout_s, metadata=metadata)
+
+    def decide_request(
+        self,
+        request: pb.DecideRequest,
+        *,
+        timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> pb.DecideResponse:
+        """One decision from a ready ``DecideRequest``."""
+        response: pb.DecideResponse = self._call(self._stub.Decide, request, timeout_s, metadata)
+        return response
+
+    def decide_batch(
+        self, requests: Sequence[pb.DecideRequest], *, timeout_s: float | None = None
+    ) -> list[pb.DecideResponse]:
+        """Many decisions in one call, answered in the same order."""
+        response = self._call(self._stub.DecideBatch, pb.DecideBatchRequest(requests=requests), timeout_s, ())
+        return list(response.responses)
+
+    def describe(self, *, timeout_s: float | None = None) -> pb.DescribeResponse:
+        """The pipeline's features and models with their serving versions."""
+        response: pb.DescribeResponse = self._call(self._stub.Describe, pb.DescribeRequest(), timeout_s, ())
+        return response
+
+    def feedback(
+        self, *, request_id: str, label: int, feedback_id: str, timeout_s: float | None = None
+    ) -> pb.FeedbackResponse:
+        """Report the true outcome of a past decision."""
+        request = pb.FeedbackRequest(request_id=request_id, label=label, feedback_id=feedback_id)
+        response: pb.FeedbackResponse = self._call(self._stub.Feedback, request, timeout_s, ())
+        return response

@@ -1,0 +1,268 @@
+"""Run pipelines on a local Ray (a background process that owns it) or deploy them to a Ray cluster.
+
+``riskserve up`` starts ``python -m riskserve.pipelines.local`` detached: it starts an embedded Ray bound to
+loopback, Serve with the gRPC proxy, deploys the pipelines, writes a state file and serves until it gets
+SIGTERM (``riskserve down``), when it shuts Serve and its own Ray down. Only that process's cluster is
+touched; other Ray clusters on the machine are left alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from pydantic import BaseModel as _Schema
+from pydantic import ConfigDict, ValidationError
+
+from riskserve.pipelines.spec import PipelineSpec, load_pipeline
+from riskserve.platform.artifacts import default_cache_dir
+from riskserve.platform.errors import ConfigError, ModelUnavailable, NotFound
+
+__all__ = ["LocalState", "deploy_to_cluster", "down", "pool_resources", "read_state", "up_local"]
+
+READY_TIMEOUT_S = 600.0
+
+
+class LocalState(_Schema):
+    """What ``up`` left running, for ``down``, ``status`` and the clients."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pid: int
+    grpc_port: int
+    http_port: int
+    gcs_address: str
+    pipelines: list[str]
+    log: str
+    started_at: float
+
+    @property
+    def target(self) -> str:
+        """The gRPC address clients dial."""
+        return f"127.0.0.1:{self.grpc_port}"
+
+
+def state_dir() -> Path:
+    """Where the local deployment's state file and log live."""
+    return Path(os.environ.get("RISKSERVE_STATE_DIR") or default_cache_dir() / "local")
+
+
+def read_state() -> LocalState | None:
+    """The running local deployment, or ``None`` (a stale file of a dead process is removed)."""
+    path = state_dir() / "state.json"
+    try:
+        state = LocalState.model_validate_json(path.read_text())
+    except (OSError, ValidationError):
+        return None
+    if not _alive(state.pid):
+        path.unlink(missing_ok=True)
+        return None
+    return state
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def pool_resources(specs: Iterable[PipelineSpec]) -> dict[str, float]:
+    """Ray custom resources one node needs to host every pool of ``specs`` (largest capacity per pool)."""
+    resources: dict[str, float] = {}
+    for spec in specs:
+        for name, pool in spec.pools.items():
+            key = spec.pool_resource(name)
+            resources[key] = max(resources.get(key, 0.0), pool.cpus or 1.0)
+    return resources
+
+
+def _cpus_needed(specs: Iterable[PipelineSpec]) -> int:
+    total = 0.0
+    for spec in specs:
+        total += sum(m.num_cpus * m.replicas for m in spec.models.values())
+        total += sum(s.num_cpus * s.replicas for s in (spec.serving.features, spec.serving.ingress))
+    return max(os.cpu_count() or 1, math.ceil(total))
+
+
+def _start_serve(grpc_port: int, http_port: int) -> None:
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from riskserve.pipelines.app import GRPC_SERVICER_FUNCTIONS
+
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": http_port},
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
+    )
+
+
+def _deploy(specs: Sequence[PipelineSpec]) -> None:
+    from ray import serve
+
+    from riskserve.pipelines.app import build_application
+
+    for spec in specs:
+        serve.run(build_application(spec), name=spec.name, route_prefix=f"/{spec.name}")
+
+
+def _check_pools_exist(specs: Sequence[PipelineSpec]) -> None:
+    import ray
+
+    available = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    for spec in specs:
+        for pool in spec.pools:
+            if spec.pool_resource(pool) not in available:
+                raise ConfigError(
+                    f"{spec.name}: pool '{pool}' has no nodes in this cluster (no node offers the Ray "
+                    f"resource '{spec.pool_resource(pool)}'; add it to a node group's rayStartParams)"
+                )
+
+
+def deploy_to_cluster(paths: Sequence[Path], *, address: str, grpc_port: int) -> list[str]:
+    """Deploy pipelines to an existing Ray cluster (``up --address``); Serve keeps them after we exit."""
+    import ray
+
+    specs = [load_pipeline(p) for p in paths]
+    ray.init(address=address, log_to_driver=False)
+    try:
+        _check_pools_exist(specs)
+        _start_serve(grpc_port, _free_port())
+        _deploy(specs)
+    finally:
+        ray.shutdown()
+    return [s.name for s in specs]
+
+
+def up_local(paths: Sequence[Path], *, grpc_port: int, timeout_s: float = READY_TIMEOUT_S) -> LocalState:
+    """Start a local Ray with the pipelines in a background process and wait until they serve.
+
+    Raises:
+        ConfigError: a pipeline file is invalid (checked before anything starts).
+        ModelUnavailable: the background process died or did not become ready in time (its log is named).
+    """
+    specs = [load_pipeline(p) for p in paths]  # fail fast, in the foreground, on a bad file
+    if read_state() is not None:
+        raise ConfigError("a local riskserve is already running: `riskserve down` first")
+    directory = state_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    log_path = directory / "riskserve.log"
+    command = [sys.executable, "-m", "riskserve.pipelines.local", "--grpc-port", str(grpc_port)]
+    command += [str(Path(p).resolve()) for p in paths]
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = read_state()
+        if state is not None and state.pid == process.pid:
+            return state
+        if process.poll() is not None:
+            tail = log_path.read_text()[-3000:]
+            raise ModelUnavailable(
+                f"riskserve exited while starting (code {process.returncode}); {log_path}:\n{tail}"
+            )
+        time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGKILL)
+    raise ModelUnavailable(
+        f"{', '.join(s.name for s in specs)} not ready after {timeout_s:.0f} s; see {log_path}"
+    )
+
+
+def down(timeout_s: float = 90.0) -> LocalState:
+    """Stop the local deployment: SIGTERM, then SIGKILL of its process group if it does not exit in time.
+
+    Raises:
+        NotFound: nothing is running.
+    """
+    state = read_state()
+    if state is None:
+        raise NotFound("no local riskserve is running")
+    os.kill(state.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _alive(state.pid):
+        time.sleep(0.3)
+    if _alive(state.pid):
+        os.killpg(state.pid, signal.SIGKILL)
+    (state_dir() / "state.json").unlink(missing_ok=True)
+    return state
+
+
+def _serve_forever(paths: Sequence[Path], grpc_port: int) -> int:
+    """Body of the background process: own a local Ray and Serve until SIGTERM."""
+    import ray
+
+    specs = [load_pipeline(p) for p in paths]
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    ray.init(
+        address="local",
+        num_cpus=_cpus_needed(specs),
+        resources=pool_resources(specs),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    http_port = _free_port()
+    try:
+        _start_serve(grpc_port, http_port)
+        _deploy(specs)
+        state = LocalState(
+            pid=os.getpid(),
+            grpc_port=grpc_port,
+            http_port=http_port,
+            gcs_address=ray.get_runtime_context().gcs_address,
+            pipelines=[s.name for s in specs],
+            log=str(state_dir() / "riskserve.log"),
+            started_at=time.time(),
+        )
+        path = state_dir() / "state.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(state.model_dump_json(indent=2))
+        tmp.rename(path)  # readers see no file or a whole one
+        print(f"serving {state.pipelines} on {state.target}", flush=True)
+        stop.wait()
+    finally:
+        from ray import serve
+
+        serve.shutdown()  # type: ignore[no-untyped-call]
+        ray.shutdown()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the background process (``python -m riskserve.pipelines.local``)."""
+    parser = argparse.ArgumentParser(prog="riskserve-local")
+    parser.add_argument("--grpc-port", type=int, required=True)
+    parser.add_argument("pipelines", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    return _serve_forever(args.pipelines, args.grpc_port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
