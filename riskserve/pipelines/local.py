@@ -27,9 +27,19 @@ from riskserve.pipelines.spec import PipelineSpec, load_pipeline
 from riskserve.platform.artifacts import default_cache_dir
 from riskserve.platform.errors import ConfigError, ModelUnavailable, NotFound
 
-__all__ = ["LocalState", "deploy_to_cluster", "down", "pool_resources", "read_state", "up_local"]
+__all__ = [
+    "LOOPBACK_RAY_ENV",
+    "LocalState",
+    "deploy_to_cluster",
+    "down",
+    "pool_resources",
+    "read_state",
+    "up_local",
+]
 
 READY_TIMEOUT_S = 600.0
+LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+"""Single-machine Ray: every Ray process uses 127.0.0.1 as its node address (read when Ray is imported)."""
 
 
 class LocalState(_Schema):
@@ -44,6 +54,8 @@ class LocalState(_Schema):
     pipelines: list[str]
     log: str
     started_at: float
+    ray_auth_mode: str = "token"
+    """``RAY_AUTH_MODE`` the local Ray runs with; a driver joining it must use the same (token in ~/.ray)."""
 
     @property
     def target(self) -> str:
@@ -167,7 +179,7 @@ def up_local(paths: Sequence[Path], *, grpc_port: int, timeout_s: float = READY_
     log_path = directory / "riskserve.log"
     command = [sys.executable, "-m", "riskserve.pipelines.local", "--grpc-port", str(grpc_port)]
     command += [str(Path(p).resolve()) for p in paths]
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, **LOOPBACK_RAY_ENV}
     with log_path.open("w") as log:
         process = subprocess.Popen(
             command,
@@ -240,6 +252,7 @@ def _serve_forever(paths: Sequence[Path], grpc_port: int) -> int:
             pipelines=[s.name for s in specs],
             log=str(state_dir() / "riskserve.log"),
             started_at=time.time(),
+            ray_auth_mode=os.environ.get("RAY_AUTH_MODE", "token"),
         )
         path = state_dir() / "state.json"
         tmp = path.with_suffix(".tmp")

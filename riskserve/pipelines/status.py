@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from riskserve.pipelines.local import read_state
+from riskserve.pipelines.local import LOOPBACK_RAY_ENV, read_state
 
 __all__ = ["collect_status", "print_status"]
 
 
-def collect_status(gcs_address: str, pipelines: list[str]) -> dict[str, Any]:
+def collect_status(gcs_address: str, pipelines: list[str], *, ray_auth_mode: str) -> dict[str, Any]:
     """Serve's view of each pipeline (application and deployment states) plus each model's metadata."""
+    import os
+
+    # The local Ray binds loopback; a driver joining it must pick the same node address, and Ray reads
+    # this when it is imported (the CLI imports Ray only here).
+    for key, value in {**LOOPBACK_RAY_ENV, "RAY_AUTH_MODE": ray_auth_mode}.items():
+        os.environ.setdefault(key, value)
     import ray
     from ray import serve
 
@@ -47,7 +53,9 @@ def print_status() -> int:
         return 1
     print(f"riskserve on {state.target} (pid {state.pid}, Ray {state.gcs_address})")
     healthy = True
-    for pipeline, info in collect_status(state.gcs_address, state.pipelines).items():
+    for pipeline, info in collect_status(
+        state.gcs_address, state.pipelines, ray_auth_mode=state.ray_auth_mode
+    ).items():
         print(f"\n{pipeline}: {info['status']}")
         healthy &= info["status"] == "RUNNING"
         for name, dep in info["deployments"].items():

@@ -1,0 +1,134 @@
+"""The ``riskserve`` command line as a user runs it: subprocesses, a background local Ray, real gRPC."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ..conftest import PIPELINES
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _riskserve(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "riskserve.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    state = tmp_path_factory.mktemp("state")
+    return {**os.environ, "RISKSERVE_STATE_DIR": str(state)}
+
+
+@pytest.fixture(scope="module")
+def tabular_yaml(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    data = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
+    for name, model in data["models"].items():
+        model["artifact"] = str(demo_models / name)
+    path = tmp_path_factory.mktemp("pipelines") / "tabular_only.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def running(cli_env: dict[str, str], tabular_yaml: Path) -> Iterator[int]:
+    port = _free_port()
+    up = _riskserve("up", str(tabular_yaml), "--grpc-port", str(port), env=cli_env)
+    assert up.returncode == 0, up.stderr + up.stdout
+    assert f"127.0.0.1:{port}" in up.stdout
+    try:
+        yield port
+    finally:
+        down = _riskserve("down", env=cli_env)
+        assert down.returncode == 0, down.stderr
+        assert "stopped riskserve" in down.stdout
+
+
+def test_decide_and_describe_from_the_command_line(running: int, cli_env: dict[str, str]) -> None:
+    fields = {"amount": 42.0, "account_age_days": 900, "txn_velocity_1h": 0, "hour": 14,
+              "merchant_category": "grocery", "channel": "pos", "request_id": "cli-1"}  # fmt: skip
+    decided = _riskserve("decide", "--pipeline", "tabular_only", "--json", json.dumps(fields), env=cli_env)
+    assert decided.returncode == 0, decided.stderr
+    response = json.loads(decided.stdout)
+    assert response["request_id"] == "cli-1"
+    assert response["decision"] == "APPROVE"
+    assert [m["model"] for m in response["models"]] == ["credit", "fraud"]
+    described = _riskserve("describe", "--pipeline", "tabular_only", env=cli_env)
+    assert described.returncode == 0, described.stderr
+    assert json.loads(described.stdout)["pipeline"] == "tabular_only"
+
+
+def test_bad_input_and_unknown_pipeline_are_one_line_errors(running: int, cli_env: dict[str, str]) -> None:
+    bad = _riskserve("decide", "--pipeline", "tabular_only", "--json", '{"amount": -5}', env=cli_env)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: amount: ")
+    assert "Traceback" not in bad.stderr
+    unknown = _riskserve("decide", "--pipeline", "nope", "--json", '{"amount": 5}', env=cli_env)
+    assert unknown.returncode == 2
+    assert "Traceback" not in unknown.stderr
+
+
+def test_status_shows_models_versions_and_health(
+    running: int, cli_env: dict[str, str], demo_models: Path
+) -> None:
+    from riskserve.platform.artifacts import open_artifact
+
+    status = _riskserve("status", env=cli_env)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "tabular_only: RUNNING" in status.stdout
+    assert open_artifact(demo_models / "credit", kind="treelite").version in status.stdout
+    assert "model-fraud" in status.stdout
+    assert "HEALTHY" in status.stdout
+
+
+def test_up_refuses_an_invalid_pipeline_naming_the_path(cli_env: dict[str, str], tmp_path: Path) -> None:
+    data = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
+    data["models"]["fraud"]["timeout_ms"] = 0
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = _riskserve("up", str(path), env={**cli_env, "RISKSERVE_STATE_DIR": str(tmp_path)}, timeout=60)
+    assert result.returncode == 2
+    assert "models.fraud.timeout_ms: Input should be greater than 0" in result.stderr
+
+
+def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env: dict[str, str]) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from riskserve.pipelines.app import build_app
+
+    result = _riskserve(
+        "export", "serve-config", str(PIPELINES / "card_fraud.yaml"), "--grpc-port", "9100", env=cli_env
+    )
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    ServeDeploySchema.model_validate(config)
+    assert config["grpc_options"]["port"] == 9100
+    (app,) = config["applications"]
+    assert app["name"] == "card_fraud"
+    assert app["import_path"] == "riskserve.pipelines.app:build_app"
+    ingress = build_app(app["args"])._bound_deployment  # Serve's bound graph: ingress(spec, features, models)
+    _, features, models = ingress.init_args
+    assert (ingress.name, features._bound_deployment.name) == ("ingress", "features")
+    placed = {name: m._bound_deployment.ray_actor_options for name, m in models.items()}
+    assert placed["intent"] == {"num_cpus": 1.0, "resources": {"riskserve_pool_llm": 1.0}}
+    assert placed["fraud"] == {"num_cpus": 0.25, "resources": {"riskserve_pool_cpu": 0.25}}
