@@ -25,7 +25,7 @@ models: setup
 	$(BIN)/riskserve models build --out $(MODELS)
 
 demo: models
-	$(BIN)/riskserve demo --models $(MODELS)
+	$(BIN)/riskserve demo --models $(MODELS) --pipeline deploy/pipelines/card_fraud.yaml
 
 lint: setup
 	$(BIN)/ruff check .
@@ -39,6 +39,7 @@ test: lint typecheck
 
 bench: models
 	$(BIN)/python bench/models.py --models $(MODELS)
+	$(BIN)/python bench/decide.py --models $(MODELS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
