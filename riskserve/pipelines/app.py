@@ -87,8 +87,8 @@ def build_application(spec: PipelineSpec) -> Application:
             health_check_timeout_s=60,
         )
         settings = {"artifact": data["models"][name]["artifact"], **model.settings}
-        columns = None if model.kind == "vllm" else matrix_columns
-        declared = None if model.kind == "vllm" else spec.model_columns(name)
+        columns = None if model.reads_text else matrix_columns
+        declared = None if model.reads_text else spec.model_columns(name)
         models[name] = deployment.bind(name, model.kind, settings, columns, declared)
     ingress: Application = _stage(PipelineIngress, names["ingress"], spec, spec.serving.ingress).bind(
         data, features, models

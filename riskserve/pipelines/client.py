@@ -86,10 +86,14 @@ class RiskClient:
     def _call(
         self, method: Any, request: Any, timeout_s: float | None, metadata: Sequence[tuple[str, str]]
     ) -> Any:
+        """Call with a gRPC deadline and the same budget in ``riskserve-timeout-ms`` metadata.
+
+        Ray's proxy does not pass the gRPC deadline on; this is how the server bounds the decision by it.
+        """
+        timeout = timeout_s or self.timeout_s
+        budget = (("riskserve-timeout-ms", f"{timeout * 1e3:.0f}"),)
         try:
-            return method(
-                request, metadata=self._metadata + tuple(metadata), timeout=timeout_s or self.timeout_s
-            )
+            return method(request, metadata=self._metadata + budget + tuple(metadata), timeout=timeout)
         except grpc.RpcError as error:
             raise _raise(error) from error
 

@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 import grpc
+from ray.serve.exceptions import BackPressureError
 
 from riskserve.features.stage import StageResult
 from riskserve.pipelines.grpc_status import set_status
@@ -22,12 +23,29 @@ from riskserve.pipelines.messages import decide_response, describe_response, raw
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.rules import DecisionEngine, ModelResult
 from riskserve.pipelines.spec import PipelineSpec
-from riskserve.platform.errors import InvalidInput
+from riskserve.platform.breaker import BreakerSettings, CircuitBreaker
+from riskserve.platform.errors import DeadlineExceeded, InvalidInput
 from riskserve.platform.replica import ReplicaAnswer
 
 __all__ = ["PipelineIngress"]
 
 MAX_BATCH = 1024
+DEADLINE_METADATA = "riskserve-timeout-ms"
+"""Metadata key with the caller's remaining time budget in ms (Ray's proxy hides the gRPC deadline)."""
+
+
+def _deadline(context: Any, default_ms: float) -> float:
+    """Monotonic time by which to answer: the caller's budget, capped by the pipeline's own."""
+    budget_ms = default_ms
+    for key, value in context.invocation_metadata() if context is not None else ():
+        if key == DEADLINE_METADATA:
+            try:
+                budget_ms = min(budget_ms, float(value))
+            except ValueError:
+                raise InvalidInput(
+                    f"'{value}' is not a number of milliseconds", field=DEADLINE_METADATA
+                ) from None
+    return time.monotonic() + budget_ms / 1e3
 
 
 def _trace_id(context: Any) -> str:
@@ -48,11 +66,22 @@ class PipelineIngress:
         self._engine = DecisionEngine(self._spec)
         self._features = features
         self._models = models
+        self._breakers = {
+            name: CircuitBreaker(
+                BreakerSettings(
+                    **model.breaker.model_dump(exclude={"slow_call_ms"}),
+                    slow_call_ms=model.breaker.slow_call_ms or model.timeout_ms,
+                ),
+                name=name,
+            )
+            for name, model in self._spec.models.items()
+        }
 
     async def Decide(self, request: pb.DecideRequest, grpc_context: Any = None) -> pb.DecideResponse:  # noqa: N802
         """One decision."""
         try:
-            (response,) = await self._decide([request], _trace_id(grpc_context))
+            deadline = _deadline(grpc_context, self._spec.serving.decision_timeout_ms)
+            (response,) = await self._decide([request], _trace_id(grpc_context), deadline)
         except Exception as error:  # every failure becomes a status, never Ray's INTERNAL traceback
             set_status(grpc_context, error)
             return pb.DecideResponse()
@@ -67,7 +96,8 @@ class PipelineIngress:
                 raise InvalidInput(
                     f"expected 1 to {MAX_BATCH} requests, got {len(request.requests)}", field="requests"
                 )
-            responses = await self._decide(list(request.requests), _trace_id(grpc_context))
+            deadline = _deadline(grpc_context, self._spec.serving.decision_timeout_ms)
+            responses = await self._decide(list(request.requests), _trace_id(grpc_context), deadline)
         except Exception as error:
             set_status(grpc_context, error)
             return pb.DecideBatchResponse()
@@ -99,11 +129,16 @@ class PipelineIngress:
         metadata = await asyncio.gather(*(self._models[n].metadata.remote() for n in names))
         return {name: str(meta["version"] or "") for name, meta in zip(names, metadata, strict=True)}
 
-    async def _decide(self, requests: list[pb.DecideRequest], trace_id: str) -> list[pb.DecideResponse]:
+    async def _decide(
+        self, requests: list[pb.DecideRequest], trace_id: str, deadline: float
+    ) -> list[pb.DecideResponse]:
         ids = [r.request_id or uuid.uuid4().hex for r in requests]
-        stage: StageResult = await self._features.encode.remote([raw_request(r) for r in requests])
+        stage_call = self._features.encode.remote([raw_request(r) for r in requests])
+        stage: StageResult = await _within(stage_call, deadline, "the feature stage")
         names = list(self._spec.models)
-        per_model = await asyncio.gather(*(self._call_model(name, stage) for name in names))
+        per_model = await asyncio.gather(*(self._call_model(name, stage, deadline) for name in names))
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded("the decision's deadline passed while the models ran")
         responses = []
         for i, request_id in enumerate(ids):
             results = {name: rows[i] for name, rows in zip(names, per_model, strict=True)}
@@ -119,29 +154,57 @@ class PipelineIngress:
             )
         return responses
 
-    async def _call_model(self, name: str, stage: StageResult) -> list[ModelResult]:
-        """One call to a model for the whole batch; its fallback for every row if it fails or is late."""
+    async def _call_model(self, name: str, stage: StageResult, deadline: float) -> list[ModelResult]:
+        """One call to a model for the whole batch, through its breaker, within min(timeout_ms, deadline).
+
+        The model's fallback stands in for every row when the breaker is open (CIRCUIT_OPEN), the call runs
+        past ``timeout_ms`` (TIMEOUT), the model's queue is full (OVERLOADED) or it fails (ERROR).
+        """
         spec = self._spec.models[name]
-        handle = self._models[name]
-        started = time.perf_counter()
         rows = len(stage.rows)
         with_text = [i for i, text in enumerate(stage.texts) if text.strip()]
-        if spec.kind == "vllm" and not with_text:
+        if spec.reads_text and not with_text:
             return [ModelResult(name=name, version="", score=0.0) for _ in range(rows)]
-        if spec.kind == "vllm":
+        started = time.monotonic()
+        permit = self._breakers[name].try_acquire()
+        if permit is None:
+            return self._fallback(name, rows, "CIRCUIT_OPEN", started)
+        budget = min(spec.timeout_ms / 1e3, deadline - started)
+        if budget <= 0:
+            permit.ignore()
+            raise DeadlineExceeded("the decision's deadline passed before the models ran")
+        handle = self._models[name]
+        if spec.reads_text:
             call = handle.predict_texts.remote([stage.texts[i] for i in with_text])
         else:
             call = handle.predict_features.remote(stage.shared)
         try:
-            answer: ReplicaAnswer = await asyncio.wait_for(_result(call), timeout=spec.timeout_ms / 1e3)
+            answer: ReplicaAnswer = await asyncio.wait_for(_result(call), timeout=budget)
         except TimeoutError:
             call.cancel()
+            if spec.timeout_ms / 1e3 > budget:
+                permit.ignore()  # the caller's deadline ran out, not the model's budget
+            else:
+                permit.failure(time.monotonic() - started)
             return self._fallback(name, rows, "TIMEOUT", started)
-        except Exception:
+        except asyncio.CancelledError:
+            permit.ignore()
+            call.cancel()
+            raise
+        except Exception as error:
+            cause = getattr(error, "cause", error)
+            if isinstance(error, BackPressureError) or isinstance(cause, BackPressureError):
+                permit.ignore()  # our queue limit, not the model's health
+                return self._fallback(name, rows, "OVERLOADED", started)
+            if isinstance(cause, InvalidInput):
+                permit.ignore()  # a client error never counts against the model
+                raise cause from error
+            permit.failure(time.monotonic() - started)
             return self._fallback(name, rows, "ERROR", started)
-        latency_ms = (time.perf_counter() - started) * 1e3
+        permit.success(time.monotonic() - started)
+        latency_ms = (time.monotonic() - started) * 1e3
         labels = answer.labels or [""] * len(answer.scores)
-        if spec.kind != "vllm":
+        if not spec.reads_text:
             return [
                 ModelResult(name=name, version=answer.version, score=s, label=label, latency_ms=latency_ms)
                 for s, label in zip(answer.scores, labels, strict=True)
@@ -155,7 +218,7 @@ class PipelineIngress:
 
     def _fallback(self, name: str, rows: int, reason: str, started: float) -> list[ModelResult]:
         fallback = self._spec.models[name].fallback
-        latency_ms = (time.perf_counter() - started) * 1e3
+        latency_ms = (time.monotonic() - started) * 1e3
         result = ModelResult(
             name=name,
             version="",
@@ -167,6 +230,10 @@ class PipelineIngress:
         )
         return [result] * rows
 
+    def breaker_states(self) -> dict[str, str]:
+        """Each model's breaker state in this ingress replica."""
+        return {name: str(breaker.state) for name, breaker in self._breakers.items()}
+
     async def feature_stats(self) -> dict[str, Any]:
         """The feature stage's counters (tests prove it ran once per decision)."""
         stats: dict[str, Any] = await self._features.stats.remote()
@@ -175,3 +242,12 @@ class PipelineIngress:
 
 async def _result(call: Any) -> Any:
     return await call
+
+
+async def _within(call: Any, deadline: float, what: str) -> Any:
+    """Await a Serve call until ``deadline``; past it, cancel the call and raise ``DeadlineExceeded``."""
+    try:
+        return await asyncio.wait_for(_result(call), timeout=max(deadline - time.monotonic(), 0.0))
+    except TimeoutError:
+        call.cancel()
+        raise DeadlineExceeded(f"the decision's deadline passed in {what}") from None

@@ -7,16 +7,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic import BaseModel as _Schema
-from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from riskserve.features.spec import FeatureSpec
 from riskserve.platform.errors import ConfigError
 
 __all__ = [
+    "BreakerSpec",
     "DecisionSpec",
     "FallbackSpec",
     "ModelSpec",
@@ -36,6 +37,15 @@ Outcome = Literal["APPROVE", "REVIEW", "DECLINE"]
 
 class _Strict(_Schema):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _queue_limit(value: int) -> int:
+    if value < 1 and value != -1:
+        raise ValueError("must be -1 (no limit) or a positive number of requests")
+    return value
+
+
+QueueLimit = Annotated[int, AfterValidator(_queue_limit)]
 
 
 class PoolSpec(_Strict):
@@ -68,11 +78,30 @@ class FallbackSpec(_Strict):
         return self
 
 
+class BreakerSpec(_Strict):
+    """A model's circuit breaker (semantics in :mod:`riskserve.platform.breaker`)."""
+
+    window_size: int = Field(default=20, ge=1)
+    """Calls in the count-based sliding window."""
+    minimum_calls: int = Field(default=10, ge=1)
+    """Calls in the window before the breaker judges at all."""
+    failure_rate_threshold: float = Field(default=0.5, gt=0, le=1)
+    """Opens when failures / calls reaches this."""
+    slow_call_rate_threshold: float = Field(default=0.8, gt=0, le=1)
+    """Opens when slow calls / calls reaches this."""
+    slow_call_ms: float | None = Field(default=None, gt=0)
+    """A call slower than this is slow; default: the model's ``timeout_ms`` (a timed-out call is slow)."""
+    open_ms: float = Field(default=5000, gt=0)
+    """How long it stays open (every call gets the fallback at once) before it probes again."""
+    half_open_probes: int = Field(default=3, ge=1)
+    """Probe calls let through after ``open_ms``; all must pass to close."""
+
+
 class ModelSpec(_Strict):
     """One model of the pipeline and how it is served."""
 
-    kind: Literal["vllm", "treelite", "sklearn"]
-    """Backend."""
+    kind: Literal["vllm", "treelite", "sklearn", "fault_injection"]
+    """Backend (``fault_injection`` wraps another backend to make it fail or slow on purpose, for drills)."""
     artifact: Path
     """Artifact directory; a relative path is relative to the YAML file."""
     pool: str
@@ -91,8 +120,17 @@ class ModelSpec(_Strict):
     """Backend settings (see each wrapper's settings class), checked when the pipeline is validated."""
     max_ongoing_requests: int = Field(default=16, ge=1)
     """Requests one replica works on at once."""
-    max_queued_requests: int = Field(default=64, ge=-1)
-    """Requests waiting for a replica before callers get RESOURCE_EXHAUSTED (-1: unbounded)."""
+    max_queued_requests: QueueLimit = 64
+    """Requests waiting for a replica before the call is refused (-1: unbounded); a refused model call
+    gets the fallback (reason OVERLOADED)."""
+    breaker: BreakerSpec = BreakerSpec()
+
+    @property
+    def reads_text(self) -> bool:
+        """Whether the model is fed the request text (LLMs) instead of the feature matrix."""
+        return self.kind == "vllm" or (
+            self.kind == "fault_injection" and self.settings.get("inner_kind") == "vllm"
+        )
 
 
 class RuleSpec(_Strict):
@@ -127,7 +165,7 @@ class StageSpec(_Strict):
     num_cpus: float = Field(default=0.25, ge=0)
     replicas: int = Field(default=1, ge=1, le=64)
     max_ongoing_requests: int = Field(default=64, ge=1)
-    max_queued_requests: int = Field(default=256, ge=-1)
+    max_queued_requests: QueueLimit = 256
 
 
 class ServingSpec(_Strict):
@@ -137,6 +175,9 @@ class ServingSpec(_Strict):
     ingress: StageSpec = StageSpec()
     access_log: bool = False
     """Ray Serve's per-request access log lines; off by default, they cost CPU on every hop."""
+    decision_timeout_ms: float = Field(default=5000, gt=0, le=600_000)
+    """Longest a decision may take when the caller sets no shorter deadline (``riskserve-timeout-ms``
+    metadata, which RiskClient sends from its gRPC timeout); past it the call is DEADLINE_EXCEEDED."""
 
 
 class PipelineSpec(_Strict):
@@ -208,7 +249,7 @@ def _reference_errors(spec: PipelineSpec) -> list[str]:
             missing = [c for c in model.columns if c not in columns]
             if missing:
                 errors.append(f"{where}.columns: not produced by the features: {missing}")
-        if model.fallback.label is not None and model.kind != "vllm":
+        if model.fallback.label is not None and not model.reads_text:
             errors.append(f"{where}.fallback.label: only text models have labels")
         try:
             _, settings_class = backend(model.kind)

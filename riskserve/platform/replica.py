@@ -120,6 +120,7 @@ class ModelReplica:
         self._started_at = time.time()
         self._inputs: OrderedDict[str, InputInfo] = OrderedDict()
         self._calls = 0
+        self._cancelled = 0
 
     def _column_selection(self, columns: list[str] | None) -> np.ndarray | None:
         model_inputs = self._host.model.input_names()
@@ -143,7 +144,7 @@ class ModelReplica:
             self._inputs.popitem(last=False)
         if self._select is not None:
             matrix = np.ascontiguousarray(matrix[:, self._select])
-        output = await self._host.predict(matrix, shared.rows)
+        output = await self._counting_cancellation(self._host.predict(matrix, shared.rows))
         return ReplicaAnswer(
             model=self._name,
             version=output.version,
@@ -157,7 +158,7 @@ class ModelReplica:
         """Label a batch of texts."""
         started = time.perf_counter()
         self._calls += 1
-        output = await self._host.predict(texts, len(texts))
+        output = await self._counting_cancellation(self._host.predict(texts, len(texts)))
         return ReplicaAnswer(
             model=self._name,
             version=output.version,
@@ -167,6 +168,14 @@ class ModelReplica:
             extra=output.extra,
         )
 
+    async def _counting_cancellation(self, prediction: Any) -> Any:
+        """Await a prediction; a caller that gave up (deadline, timeout) cancels it here, and we count it."""
+        try:
+            return await prediction
+        except asyncio.CancelledError:
+            self._cancelled += 1
+            raise
+
     def metadata(self) -> dict[str, Any]:
         """The model's metadata plus which process serves it (used to prove nothing restarted)."""
         return {
@@ -175,6 +184,7 @@ class ModelReplica:
             "actor_id": ray.get_runtime_context().get_actor_id(),
             "replica_started_at": self._started_at,
             "calls": self._calls,
+            "cancelled": self._cancelled,
         }
 
     def input_info(self, batch_id: str) -> InputInfo | None:

@@ -14,6 +14,11 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
     "treelite": ("riskserve.wrappers.treelite_model", "TreeliteModel", "TreeliteSettings"),
     "sklearn": ("riskserve.wrappers.sklearn_model", "SklearnModel", "SklearnSettings"),
     "vllm": ("riskserve.wrappers.vllm_model", "VLLMModel", "VLLMSettings"),
+    "fault_injection": (
+        "riskserve.wrappers.fault_injection",
+        "FaultInjectingModel",
+        "FaultInjectionSettings",
+    ),
 }
 """Backend kind (as written in a pipeline YAML) -> (module, model class, settings class)."""
 

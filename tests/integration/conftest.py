@@ -68,13 +68,13 @@ def serve_cluster() -> Iterator[ServeCluster]:
         ray.shutdown()
 
 
-def pipeline_on(name: str, models: Path, **overrides: Any) -> PipelineSpec:
+def pipeline_on(yaml_name: str, models: Path, **overrides: Any) -> PipelineSpec:
     """A shipped pipeline YAML with its artifacts pointed at ``models`` (the session's demo models)."""
-    data = copy.deepcopy(yaml.safe_load((PIPELINES / name).read_text()))
+    data = copy.deepcopy(yaml.safe_load((PIPELINES / yaml_name).read_text()))
     for model_name, model in data["models"].items():
         model["artifact"] = str(models / model_name)
     data.update(overrides)
-    return parse_pipeline(data, base_dir=PIPELINES, source=name)
+    return parse_pipeline(data, base_dir=PIPELINES, source=yaml_name)
 
 
 def deploy(spec: PipelineSpec) -> None:

@@ -84,7 +84,7 @@ def _errors(data: dict[str, Any]) -> str:
             "decision.rules[1].when: Undefined",
         ),
         (
-            lambda d: d["decision"]["rules"][1].update(when="risk_score * 2"),
+            lambda d: d["decision"]["rules"][1].update(when="risk_score * 2.0"),
             "decision.rules[1].when: gives float",
         ),
         (lambda d: d["decision"].update(risk_score="0.5 * 2"), "decision.risk_score: Unsupported operation"),

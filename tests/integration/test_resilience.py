@@ -1,0 +1,209 @@
+"""Breakers, fallbacks, deadlines and backpressure on real Ray Serve over real gRPC.
+
+Faults are injected on purpose by the ``fault_injection`` backend, which wraps the real scikit-learn model
+and reads a control file before each prediction (tests named ``..._injected_...`` use it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from riskserve.pipelines.client import RiskClient
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.platform.errors import DeadlineExceeded, Overloaded
+
+from .conftest import ServeCluster, deploy, pipeline_on
+
+pytestmark = pytest.mark.slow
+
+REQUEST = {
+    "numeric": {"amount": 23.5, "account_age_days": 2400.0, "txn_velocity_1h": 0.0, "hour": 12.0},
+    "categorical": {"merchant_category": "grocery", "channel": "pos"},
+}
+
+
+def _drill(
+    name: str, models: Path, control: Path, *, fraud: dict[str, Any], serving: dict[str, Any] | None = None
+):  # type: ignore[no-untyped-def]
+    spec = pipeline_on("tabular_only.yaml", models, name=name)
+    data = spec.resolved()
+    data["models"]["fraud"] = {
+        **data["models"]["fraud"],
+        "kind": "fault_injection",
+        "settings": {"inner_kind": "sklearn", "control_file": str(control)},
+        **fraud,
+    }
+    if serving:
+        data["serving"] = {**data["serving"], **serving}
+    from riskserve.pipelines.spec import parse_pipeline
+
+    return parse_pipeline(data, source=name)
+
+
+def _faults(control: Path, **faults: object) -> None:
+    control.write_text(json.dumps(faults))
+
+
+@pytest.fixture(scope="module")
+def control(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("faults") / "fraud.json"
+
+
+@pytest.fixture(scope="module")
+def drill(serve_cluster: ServeCluster, demo_models: Path, control: Path) -> Iterator[RiskClient]:
+    _faults(control)
+    breaker = {"window_size": 4, "minimum_calls": 4, "failure_rate_threshold": 0.5, "open_ms": 1500,
+               "half_open_probes": 2}  # fmt: skip
+    deploy(_drill("drill", demo_models, control, fraud={"timeout_ms": 250, "breaker": breaker}))
+    with RiskClient(f"127.0.0.1:{serve_cluster.grpc_port}", pipeline="drill", timeout_s=10) as client:
+        yield client
+
+
+def _fraud(response: pb.DecideResponse) -> pb.ModelScore:
+    return next(m for m in response.models if m.model == "fraud")
+
+
+def _model_calls(app: str) -> int:
+    from ray import serve
+
+    calls: int = serve.get_deployment_handle("model-fraud", app_name=app).metadata.remote().result()["calls"]
+    return calls
+
+
+def _breakers(app: str) -> dict[str, str]:
+    from ray import serve
+
+    states: dict[str, str] = (
+        serve.get_deployment_handle("ingress", app_name=app).breaker_states.remote().result()
+    )
+    return states
+
+
+def test_an_injected_slow_model_falls_back_on_timeout_and_the_pipeline_still_decides(
+    drill: RiskClient, control: Path
+) -> None:
+    _faults(control)
+    healthy = drill.decide(**REQUEST)
+    assert not _fraud(healthy).fallback
+    _faults(control, delay_ms=1500)
+    started = time.perf_counter()
+    slow = drill.decide(**REQUEST)
+    elapsed = time.perf_counter() - started
+    fraud = _fraud(slow)
+    assert (fraud.fallback, fraud.fallback_reason, fraud.score, fraud.version) == (True, "TIMEOUT", 0.5, "")
+    assert slow.decision == pb.REVIEW
+    assert "fraud: model unavailable (TIMEOUT), decided without it" in slow.reasons
+    assert elapsed < 1.0, "the fallback answers at the model's 250 ms budget, not after the slow call"
+    credit = next(m for m in slow.models if m.model == "credit")
+    assert not credit.fallback
+    _faults(control)
+    time.sleep(1.6)  # let the slow call finish and the breaker window age out of this test's way
+
+
+def test_an_injected_failing_model_opens_its_breaker_then_probes_and_closes(
+    drill: RiskClient, control: Path
+) -> None:
+    _faults(control)
+    for _ in range(4):  # fill the window with successes so only this test's failures judge it
+        assert not _fraud(drill.decide(**REQUEST)).fallback
+    assert _breakers("drill")["fraud"] == "closed"
+    _faults(control, fail=True)
+    reasons = [_fraud(drill.decide(**REQUEST)).fallback_reason for _ in range(2)]
+    assert reasons == ["ERROR", "ERROR"]
+    assert _breakers("drill")["fraud"] == "open"  # 2 failures in a window of 4: rate 0.5
+    calls = _model_calls("drill")
+    started = time.perf_counter()
+    rejected = [_fraud(drill.decide(**REQUEST)) for _ in range(5)]
+    assert [m.fallback_reason for m in rejected] == ["CIRCUIT_OPEN"] * 5
+    assert time.perf_counter() - started < 1.0
+    assert _model_calls("drill") == calls, "an open breaker sends nothing to the model"
+
+    _faults(control)
+    time.sleep(1.6)  # open_ms 1500: the next calls are the half-open probes
+    probes = [_fraud(drill.decide(**REQUEST)) for _ in range(2)]
+    assert [p.fallback for p in probes] == [False, False]
+    assert _breakers("drill")["fraud"] == "closed"
+    assert _model_calls("drill") == calls + 2
+
+
+def test_a_failed_probe_reopens_the_breaker(drill: RiskClient, control: Path) -> None:
+    _faults(control, fail=True)
+    while _breakers("drill")["fraud"] != "open":
+        drill.decide(**REQUEST)
+    time.sleep(1.6)
+    assert _fraud(drill.decide(**REQUEST)).fallback_reason == "ERROR"  # the probe reached the model
+    assert _breakers("drill")["fraud"] == "open"
+    assert _fraud(drill.decide(**REQUEST)).fallback_reason == "CIRCUIT_OPEN"
+    _faults(control)
+    time.sleep(1.6)
+    for _ in range(2):
+        drill.decide(**REQUEST)
+    assert _breakers("drill")["fraud"] == "closed"
+
+
+def test_invalid_input_never_counts_against_a_model(drill: RiskClient) -> None:
+    for _ in range(6):
+        with pytest.raises(Exception, match="amount"):
+            drill.decide(numeric={"amount": -1.0}, categorical=REQUEST["categorical"])
+    assert _breakers("drill") == {"credit": "closed", "fraud": "closed"}
+
+
+@pytest.fixture(scope="module")
+def slow_drill(serve_cluster: ServeCluster, demo_models: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    control = tmp_path_factory.mktemp("slow") / "fraud.json"
+    _faults(control, delay_ms=3000)
+    spec = _drill(
+        "drill_slow", demo_models, control,
+        fraud={"timeout_ms": 10_000, "max_ongoing_requests": 1, "max_queued_requests": 1},
+        serving={"ingress": {"max_ongoing_requests": 2, "max_queued_requests": 1, "num_cpus": 0.25}},
+    )  # fmt: skip
+    deploy(spec)
+    return serve_cluster
+
+
+def test_the_callers_deadline_bounds_the_decision_and_cancels_the_model_call(
+    slow_drill: ServeCluster,
+) -> None:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("model-fraud", app_name="drill_slow")
+    cancelled_before = handle.metadata.remote().result()["cancelled"]
+    with RiskClient(f"127.0.0.1:{slow_drill.grpc_port}", pipeline="drill_slow") as client:
+        started = time.perf_counter()
+        with pytest.raises(DeadlineExceeded):
+            client.decide(**REQUEST, timeout_s=0.5)
+        elapsed = time.perf_counter() - started
+    assert elapsed < 1.0, f"DEADLINE_EXCEEDED after {elapsed:.2f} s"
+    deadline = time.monotonic() + 10
+    while handle.metadata.remote().result()["cancelled"] == cancelled_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert handle.metadata.remote().result()["cancelled"] > cancelled_before, "the model's work was cancelled"
+
+
+def test_overload_is_a_prompt_resource_exhausted_never_a_hang(slow_drill: ServeCluster) -> None:
+    def call(_: int) -> tuple[str, float]:
+        with RiskClient(f"127.0.0.1:{slow_drill.grpc_port}", pipeline="drill_slow") as client:
+            started = time.perf_counter()
+            try:
+                client.decide(**REQUEST, timeout_s=8)
+                outcome = "ok"
+            except Overloaded:
+                outcome = "RESOURCE_EXHAUSTED"
+            except DeadlineExceeded:
+                outcome = "DEADLINE_EXCEEDED"
+            return outcome, time.perf_counter() - started
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(call, range(8)))
+    refused = [elapsed for outcome, elapsed in results if outcome == "RESOURCE_EXHAUSTED"]
+    assert len(refused) >= 4, results  # 2 running + 1 queued in the ingress, the rest refused
+    assert max(refused) < 1.0, results
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED.name == "RESOURCE_EXHAUSTED"
