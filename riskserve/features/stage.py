@@ -18,6 +18,15 @@ from riskserve.features.encoder import FeatureEncoder, RawRequest, ValidRow
 from riskserve.features.spec import FeatureSpec
 from riskserve.platform.errors import InvalidInput
 from riskserve.platform.replica import SharedMatrix
+from riskserve.platform.tracing import (
+    SPAN_FEATURES,
+    SpanKind,
+    TracingSettings,
+    configure_tracing,
+    extract,
+    shutdown_tracing,
+    start_span,
+)
 
 __all__ = ["FeatureStage", "StageResult"]
 
@@ -35,18 +44,25 @@ class StageResult:
 class FeatureStage:
     """Serve deployment: validate, encode, ``ray.put`` once. Counts its calls so tests can prove 'once'."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any], tracing: dict[str, Any] | None = None) -> None:
+        configure_tracing(TracingSettings.model_validate(tracing or {}))
         self._encoder = FeatureEncoder(FeatureSpec.model_validate(spec))
         self._calls = 0
         self._rows = 0
         self._last_batch_id = ""
 
-    def encode(self, requests: Sequence[RawRequest]) -> StageResult:
+    def encode(self, requests: Sequence[RawRequest], trace: dict[str, str] | None = None) -> StageResult:
         """Validate and encode a batch; a bad request fails the batch naming ``requests[i].field``.
 
         Raises:
             InvalidInput: for the first bad request (in a batch of one, the field alone is named).
         """
+        with start_span(
+            SPAN_FEATURES, context=extract(trace), kind=SpanKind.SERVER, attributes={"rows": len(requests)}
+        ):
+            return self._encode(requests)
+
+    def _encode(self, requests: Sequence[RawRequest]) -> StageResult:
         started = time.perf_counter()
         rows = []
         for i, request in enumerate(requests):
@@ -68,6 +84,9 @@ class FeatureStage:
         return StageResult(
             rows=rows, shared=shared, texts=batch.texts, latency_ms=(time.perf_counter() - started) * 1e3
         )
+
+    def __del__(self) -> None:
+        shutdown_tracing()
 
     def stats(self) -> dict[str, Any]:
         """How many batches and rows this replica encoded, and the id of the last batch."""

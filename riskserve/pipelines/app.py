@@ -72,7 +72,9 @@ def build_application(spec: PipelineSpec) -> Application:
     """The Serve application of a validated pipeline."""
     data = spec.resolved()
     names = deployment_names(spec)
-    features = _stage(FeatureStage, names["features"], spec, spec.serving.features).bind(data["features"])
+    features = _stage(FeatureStage, names["features"], spec, spec.serving.features).bind(
+        data["features"], data["tracing"]
+    )
     matrix_columns = spec.features.column_names()
     models = {}
     for name, model in spec.models.items():
@@ -89,7 +91,7 @@ def build_application(spec: PipelineSpec) -> Application:
         settings = {"artifact": data["models"][name]["artifact"], **model.settings}
         columns = None if model.reads_text else matrix_columns
         declared = None if model.reads_text else spec.model_columns(name)
-        models[name] = deployment.bind(name, model.kind, settings, columns, declared)
+        models[name] = deployment.bind(name, model.kind, settings, columns, declared, data["tracing"])
     ingress: Application = _stage(PipelineIngress, names["ingress"], spec, spec.serving.ingress).bind(
         data, features, models
     )

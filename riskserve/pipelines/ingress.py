@@ -9,7 +9,6 @@ or runs past its ``timeout_ms`` is replaced by its YAML fallback, so the pipelin
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 import uuid
 from typing import Any
@@ -26,6 +25,20 @@ from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.breaker import BreakerSettings, CircuitBreaker
 from riskserve.platform.errors import DeadlineExceeded, InvalidInput
 from riskserve.platform.replica import ReplicaAnswer
+from riskserve.platform.tracing import (
+    SPAN_DECIDE,
+    SPAN_DECISION,
+    SPAN_MODEL,
+    SpanKind,
+    carrier_from_grpc,
+    configure_tracing,
+    current_trace_id,
+    extract,
+    inject,
+    mark_error,
+    shutdown_tracing,
+    start_span,
+)
 
 __all__ = ["PipelineIngress"]
 
@@ -48,21 +61,12 @@ def _deadline(context: Any, default_ms: float) -> float:
     return time.monotonic() + budget_ms / 1e3
 
 
-def _trace_id(context: Any) -> str:
-    """The W3C trace id of the caller's ``traceparent``, or a new one."""
-    for key, value in context.invocation_metadata() if context is not None else ():
-        if key == "traceparent":
-            parts = str(value).split("-")
-            if len(parts) == 4 and len(parts[1]) == 32:
-                return parts[1]
-    return secrets.token_hex(16)
-
-
 class PipelineIngress:
     """Serve deployment behind the gRPC proxy; one per pipeline (Serve application)."""
 
     def __init__(self, spec: dict[str, Any], features: Any, models: dict[str, Any]) -> None:
         self._spec = PipelineSpec.model_validate(spec)
+        configure_tracing(self._spec.tracing)
         self._engine = DecisionEngine(self._spec)
         self._features = features
         self._models = models
@@ -78,30 +82,42 @@ class PipelineIngress:
         }
 
     async def Decide(self, request: pb.DecideRequest, grpc_context: Any = None) -> pb.DecideResponse:  # noqa: N802
-        """One decision."""
-        try:
-            deadline = _deadline(grpc_context, self._spec.serving.decision_timeout_ms)
-            (response,) = await self._decide([request], _trace_id(grpc_context), deadline)
-        except Exception as error:  # every failure becomes a status, never Ray's INTERNAL traceback
-            set_status(grpc_context, error)
-            return pb.DecideResponse()
-        return response
+        """One decision, traced as one trace (continuing the caller's ``traceparent`` if it sent one)."""
+        with self._root_span(grpc_context, "Decide", 1) as span:
+            try:
+                deadline = _deadline(grpc_context, self._spec.serving.decision_timeout_ms)
+                (response,) = await self._decide([request], current_trace_id(), deadline)
+            except Exception as error:  # every failure becomes a status, never Ray's INTERNAL traceback
+                mark_error(error, span)
+                set_status(grpc_context, error)
+                return pb.DecideResponse()
+            return response
+
+    def _root_span(self, grpc_context: Any, method: str, count: int) -> Any:
+        attributes: dict[str, str | int] = {
+            "pipeline": self._spec.name,
+            "request.count": count,
+            "rpc.method": method,
+        }
+        context = extract(carrier_from_grpc(grpc_context)) if grpc_context is not None else None
+        return start_span(SPAN_DECIDE, context=context, kind=SpanKind.SERVER, attributes=attributes)
 
     async def DecideBatch(  # noqa: N802
         self, request: pb.DecideBatchRequest, grpc_context: Any = None
     ) -> pb.DecideBatchResponse:
         """Many decisions in one call: one feature matrix, one call per model; same order as requested."""
-        try:
-            if not 0 < len(request.requests) <= MAX_BATCH:
-                raise InvalidInput(
-                    f"expected 1 to {MAX_BATCH} requests, got {len(request.requests)}", field="requests"
-                )
-            deadline = _deadline(grpc_context, self._spec.serving.decision_timeout_ms)
-            responses = await self._decide(list(request.requests), _trace_id(grpc_context), deadline)
-        except Exception as error:
-            set_status(grpc_context, error)
-            return pb.DecideBatchResponse()
-        return pb.DecideBatchResponse(responses=responses)
+        with self._root_span(grpc_context, "DecideBatch", len(request.requests)) as span:
+            try:
+                if not 0 < len(request.requests) <= MAX_BATCH:
+                    count = len(request.requests)
+                    raise InvalidInput(f"expected 1 to {MAX_BATCH} requests, got {count}", field="requests")
+                deadline = _deadline(grpc_context, self._spec.serving.decision_timeout_ms)
+                responses = await self._decide(list(request.requests), current_trace_id(), deadline)
+            except Exception as error:
+                mark_error(error, span)
+                set_status(grpc_context, error)
+                return pb.DecideBatchResponse()
+            return pb.DecideBatchResponse(responses=responses)
 
     async def Describe(  # noqa: N802
         self, request: pb.DescribeRequest, grpc_context: Any = None
@@ -133,7 +149,7 @@ class PipelineIngress:
         self, requests: list[pb.DecideRequest], trace_id: str, deadline: float
     ) -> list[pb.DecideResponse]:
         ids = [r.request_id or uuid.uuid4().hex for r in requests]
-        stage_call = self._features.encode.remote([raw_request(r) for r in requests])
+        stage_call = self._features.encode.remote([raw_request(r) for r in requests], trace=inject())
         stage: StageResult = await _within(stage_call, deadline, "the feature stage")
         names = list(self._spec.models)
         per_model = await asyncio.gather(*(self._call_model(name, stage, deadline) for name in names))
@@ -142,7 +158,9 @@ class PipelineIngress:
         responses = []
         for i, request_id in enumerate(ids):
             results = {name: rows[i] for name, rows in zip(names, per_model, strict=True)}
-            decision = self._engine.decide(stage.rows[i], results)
+            with start_span(SPAN_DECISION, attributes={"request.id": request_id}) as span:
+                decision = self._engine.decide(stage.rows[i], results)
+                span.set_attributes({"outcome": decision.outcome, "risk_score": decision.risk_score})
             responses.append(
                 decide_response(
                     request_id=request_id,
@@ -155,6 +173,30 @@ class PipelineIngress:
         return responses
 
     async def _call_model(self, name: str, stage: StageResult, deadline: float) -> list[ModelResult]:
+        """One model's results for the batch, in a ``riskserve.model`` span (version, fallback and reason)."""
+        spec = self._spec.models[name]
+        attributes: dict[str, str | int] = {
+            "model.name": name,
+            "model.kind": spec.kind,
+            "rows": len(stage.rows),
+        }
+        with start_span(SPAN_MODEL, kind=SpanKind.CLIENT, attributes=attributes) as span:
+            results = await self._call_model_untraced(name, stage, deadline, inject())
+            first = results[0]
+            span.set_attributes(
+                {
+                    "model.version": first.version,
+                    "model.fallback": first.fallback,
+                    "model.fallback_reason": first.fallback_reason,
+                }
+            )
+            if first.fallback:
+                mark_error(first.fallback_reason, span)
+            return results
+
+    async def _call_model_untraced(
+        self, name: str, stage: StageResult, deadline: float, trace: dict[str, str]
+    ) -> list[ModelResult]:
         """One call to a model for the whole batch, through its breaker, within min(timeout_ms, deadline).
 
         The model's fallback stands in for every row when the breaker is open (CIRCUIT_OPEN), the call runs
@@ -175,9 +217,9 @@ class PipelineIngress:
             raise DeadlineExceeded("the decision's deadline passed before the models ran")
         handle = self._models[name]
         if spec.reads_text:
-            call = handle.predict_texts.remote([stage.texts[i] for i in with_text])
+            call = handle.predict_texts.remote([stage.texts[i] for i in with_text], trace=trace)
         else:
-            call = handle.predict_features.remote(stage.shared)
+            call = handle.predict_features.remote(stage.shared, trace=trace)
         try:
             answer: ReplicaAnswer = await asyncio.wait_for(_result(call), timeout=budget)
         except TimeoutError:
@@ -229,6 +271,9 @@ class PipelineIngress:
             latency_ms=latency_ms,
         )
         return [result] * rows
+
+    def __del__(self) -> None:
+        shutdown_tracing()
 
     def breaker_states(self) -> dict[str, str]:
         """Each model's breaker state in this ingress replica."""

@@ -15,6 +15,7 @@ from pydantic import BaseModel as _Schema
 
 from riskserve.features.spec import FeatureSpec
 from riskserve.platform.errors import ConfigError
+from riskserve.platform.tracing import TracingSettings
 
 __all__ = [
     "BreakerSpec",
@@ -192,6 +193,8 @@ class PipelineSpec(_Strict):
     pools: dict[str, PoolSpec] = Field(min_length=1)
     decision: DecisionSpec
     serving: ServingSpec = ServingSpec()
+    tracing: TracingSettings = TracingSettings()
+    """OpenTelemetry export: ``none`` (ids only), ``console``, ``file`` (JSON lines) or ``otlp``."""
     base_dir: Path = Field(default=Path("."), exclude=True)
     """Directory relative artifact paths are resolved against (the YAML file's; not written in YAML)."""
 
@@ -219,6 +222,8 @@ class PipelineSpec(_Strict):
         data = self.model_dump(mode="json")
         for name in self.models:
             data["models"][name]["artifact"] = str(self.artifact_path(name))
+        if self.tracing.file_path is not None and not self.tracing.file_path.is_absolute():
+            data["tracing"]["file_path"] = str((self.base_dir / self.tracing.file_path).resolve())
         return data
 
 

@@ -19,6 +19,15 @@ import ray
 
 from riskserve.platform.errors import ConfigError, ModelUnavailable
 from riskserve.platform.host import ModelHost
+from riskserve.platform.tracing import (
+    SPAN_MODEL_PREDICT,
+    SpanKind,
+    TracingSettings,
+    configure_tracing,
+    extract,
+    shutdown_tracing,
+    start_span,
+)
 from riskserve.platform.validation import FeatureMatrix
 
 __all__ = ["InputInfo", "ModelReplica", "ReplicaAnswer", "SharedMatrix"]
@@ -101,11 +110,14 @@ class ModelReplica:
         settings: dict[str, Any],
         columns: list[str] | None,
         declared: list[str] | None = None,
+        tracing: dict[str, Any] | None = None,
     ) -> None:
         """Load the model. ``columns``: the shared matrix's; ``declared``: what the pipeline says it reads."""
         from riskserve.wrappers import backend
 
+        configure_tracing(TracingSettings.model_validate(tracing or {}))
         model_class, settings_class = backend(kind)
+        self._kind = kind
         self._name = name
         self._host: ModelHost[Any] = ModelHost(
             model_class(settings_class.model_validate({"name": name, **settings}))
@@ -133,8 +145,22 @@ class ModelReplica:
             return None  # the model reads the shared matrix as it is: no copy at all
         return np.array([columns.index(c) for c in model_inputs])
 
-    async def predict_features(self, shared: SharedMatrix) -> ReplicaAnswer:
+    async def predict_features(
+        self, shared: SharedMatrix, trace: dict[str, str] | None = None
+    ) -> ReplicaAnswer:
         """Score the rows of a shared feature matrix."""
+        with self._span(trace, shared.rows) as span:
+            answer = await self._predict_features(shared)
+            span.set_attribute("model.version", answer.version)
+            return answer
+
+    def _span(self, trace: dict[str, str] | None, rows: int) -> Any:
+        attributes: dict[str, str | int] = {"model.name": self._name, "model.kind": self._kind, "rows": rows}
+        return start_span(
+            SPAN_MODEL_PREDICT, context=extract(trace), kind=SpanKind.SERVER, attributes=attributes
+        )
+
+    async def _predict_features(self, shared: SharedMatrix) -> ReplicaAnswer:
         started = time.perf_counter()
         self._calls += 1
         matrix: FeatureMatrix = await shared.ref
@@ -154,8 +180,14 @@ class ModelReplica:
             input=info,
         )
 
-    async def predict_texts(self, texts: list[str]) -> ReplicaAnswer:
+    async def predict_texts(self, texts: list[str], trace: dict[str, str] | None = None) -> ReplicaAnswer:
         """Label a batch of texts."""
+        with self._span(trace, len(texts)) as span:
+            answer = await self._predict_texts(texts)
+            span.set_attribute("model.version", answer.version)
+            return answer
+
+    async def _predict_texts(self, texts: list[str]) -> ReplicaAnswer:
         started = time.perf_counter()
         self._calls += 1
         output = await self._counting_cancellation(self._host.predict(texts, len(texts)))
@@ -199,3 +231,4 @@ class ModelReplica:
     async def __del__(self) -> None:
         """Serve awaits this at replica shutdown: unload the model (vLLM frees its engine)."""
         await asyncio.shield(self._host.stop())
+        await asyncio.to_thread(shutdown_tracing)
