@@ -88,6 +88,9 @@ class FeatureStage:
     def __del__(self) -> None:
         shutdown_tracing()
 
+    def check_health(self) -> None:
+        """Serve's liveness probe: the stage is stateless, so a live replica is a healthy one."""
+
     def stats(self) -> dict[str, Any]:
         """How many batches and rows this replica encoded, and the id of the last batch."""
         return {"calls": self._calls, "rows": self._rows, "last_batch_id": self._last_batch_id}

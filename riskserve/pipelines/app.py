@@ -7,6 +7,9 @@ custom resource, so the same application runs on one machine or a KubeRay cluste
 
 # No `from __future__ import annotations` here: Serve inspects build_app's annotation at run time.
 
+import functools
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from ray.serve import Application
 
 from riskserve.features.stage import FeatureStage
 from riskserve.pipelines.ingress import PipelineIngress
+from riskserve.pipelines.pools import actor_options
 from riskserve.pipelines.spec import PipelineSpec, StageSpec, load_pipeline
 from riskserve.platform.replica import ModelReplica
 
@@ -24,8 +28,9 @@ __all__ = ["GRPC_SERVICER_FUNCTIONS", "AppArgs", "build_app", "build_application
 
 GRPC_SERVICER_FUNCTIONS = [
     "riskserve.pipelines.proto.riskserve.v1.risk_pipeline_pb2_grpc.add_RiskPipelineServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
-"""What Ray Serve's gRPC proxy must register to serve ``riskserve.v1.RiskPipeline``."""
+"""What Ray Serve's gRPC proxy must register: ``riskserve.v1.RiskPipeline`` and ``grpc.health.v1.Health``."""
 
 
 class AppArgs(_Schema):
@@ -37,43 +42,65 @@ class AppArgs(_Schema):
     """The pipeline YAML file."""
 
 
-def _actor_options(spec: PipelineSpec, pool: str, num_cpus: float, num_gpus: float = 0) -> dict[str, Any]:
-    """Ray placement of one replica: its CPU/GPU share, taken from its pool's custom resource."""
-    options: dict[str, Any] = {
-        "num_cpus": num_cpus,
-        "resources": {spec.pool_resource(pool): max(num_cpus, 0.01)},
-    }
-    if num_gpus:
-        options["num_gpus"] = num_gpus
-    return options
-
-
 def deployment_names(spec: PipelineSpec) -> dict[str, str]:
     """Serve deployment name of each stage: ``features``, ``ingress`` and ``model-<name>``."""
     return {"features": "features", "ingress": "ingress", **{m: f"model-{m}" for m in spec.models}}
+
+
+@functools.cache
+def _code_hash() -> str:
+    """Hash of riskserve's own source: a redeploy after a code change must restart the replicas."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _version(*parts: Any) -> str:
+    """A deployment version from its code and arguments.
+
+    Without one, Serve gives every ``serve.run`` a random version and restarts every replica, so an
+    unchanged model would be reloaded whenever any part of the pipeline is redeployed. With content
+    versions, only deployments whose code or arguments changed restart; a ``user_config`` change is
+    applied in place.
+    """
+    canonical = json.dumps([_code_hash(), *parts], sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def _logging(spec: PipelineSpec) -> dict[str, Any]:
     return {"enable_access_log": spec.serving.access_log}
 
 
-def _stage(cls: type, name: str, spec: PipelineSpec, stage: StageSpec) -> Any:
-    return serve.deployment()(cls).options(
+def _versioned(deployment: Any, version: str) -> Any:
+    """Pin a deployment's version. Ray 2.60 refuses ``options(version=...)`` from users and makes up a
+    random one per ``serve.run`` instead; its own config-deploy path passes versions with ``_internal``.
+    This is the one place riskserve leans on that (covered by tests that redeploy and compare pids)."""
+    return deployment.options(version=version, _internal=True)
+
+
+def _stage(cls: type, name: str, spec: PipelineSpec, stage: StageSpec, *args: Any) -> Any:
+    return _versioned(serve.deployment()(cls), _version(name, args)).options(
         name=name,
         logging_config=_logging(spec),
         num_replicas=stage.replicas,
         max_ongoing_requests=stage.max_ongoing_requests,
         max_queued_requests=stage.max_queued_requests,
-        ray_actor_options=_actor_options(spec, spec.stage_pool(stage), stage.num_cpus),
+        ray_actor_options=actor_options(spec, spec.stage_pool(stage), stage.num_cpus),
     )
 
 
-def build_application(spec: PipelineSpec) -> Application:
-    """The Serve application of a validated pipeline."""
+def build_application(spec: PipelineSpec, *, draining: bool = False) -> Application:
+    """The Serve application of a validated pipeline.
+
+    ``draining=True`` deploys the same application with the ingress draining (health NOT_SERVING): Serve
+    applies a ``user_config`` change to every replica in place, without restarting anything.
+    """
     data = spec.resolved()
     names = deployment_names(spec)
-    features = _stage(FeatureStage, names["features"], spec, spec.serving.features).bind(
-        data["features"], data["tracing"]
+    features_args = (data["features"], data["tracing"])
+    features = _stage(FeatureStage, names["features"], spec, spec.serving.features, features_args).bind(
+        *features_args
     )
     matrix_columns = spec.features.column_names()
     models = {}
@@ -84,15 +111,17 @@ def build_application(spec: PipelineSpec) -> Application:
             num_replicas=model.replicas,
             max_ongoing_requests=model.max_ongoing_requests,
             max_queued_requests=model.max_queued_requests,
-            ray_actor_options=_actor_options(spec, model.pool, model.num_cpus, model.num_gpus),
+            ray_actor_options=actor_options(spec, model.pool, model.num_cpus, model.num_gpus),
             # vLLM loads its engine in the constructor; give slow starts room before Serve gives up.
             health_check_timeout_s=60,
         )
         settings = {"artifact": data["models"][name]["artifact"], **model.settings}
         columns = None if model.reads_text else matrix_columns
         declared = None if model.reads_text else spec.model_columns(name)
-        models[name] = deployment.bind(name, model.kind, settings, columns, declared, data["tracing"])
-    ingress: Application = _stage(PipelineIngress, names["ingress"], spec, spec.serving.ingress).bind(
+        args = (name, model.kind, settings, columns, declared, data["tracing"])
+        models[name] = _versioned(deployment, _version(names[name], args)).bind(*args)
+    ingress_deployment = _stage(PipelineIngress, names["ingress"], spec, spec.serving.ingress, data)
+    ingress: Application = ingress_deployment.options(user_config={"draining": draining}).bind(
         data, features, models
     )
     return ingress

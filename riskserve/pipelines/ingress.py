@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 from ray.serve.exceptions import BackPressureError
 
 from riskserve.features.stage import StageResult
@@ -43,6 +44,10 @@ from riskserve.platform.tracing import (
 __all__ = ["PipelineIngress"]
 
 MAX_BATCH = 1024
+HEALTH_PROBE_TIMEOUT_S = 1.0
+"""A model that does not answer its metadata call within this is counted as having no healthy replica."""
+WATCH_INTERVAL_S = 1.0
+SERVICE_NAME = "riskserve.v1.RiskPipeline"
 DEADLINE_METADATA = "riskserve-timeout-ms"
 """Metadata key with the caller's remaining time budget in ms (Ray's proxy hides the gRPC deadline)."""
 
@@ -80,6 +85,7 @@ class PipelineIngress:
             )
             for name, model in self._spec.models.items()
         }
+        self._draining = False
 
     async def Decide(self, request: pb.DecideRequest, grpc_context: Any = None) -> pb.DecideResponse:  # noqa: N802
         """One decision, traced as one trace (continuing the caller's ``traceparent`` if it sent one)."""
@@ -138,6 +144,59 @@ class PipelineIngress:
             grpc_context.set_code(grpc.StatusCode.UNIMPLEMENTED)
             grpc_context.set_details("Feedback is not implemented by this pipeline yet")
         return pb.FeedbackResponse()
+
+    async def Check(  # noqa: N802
+        self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None
+    ) -> health_pb2.HealthCheckResponse:
+        """``grpc.health.v1``: SERVING only when every model answers and the pipeline is not draining.
+
+        The service is ``""``, ``riskserve.v1.RiskPipeline`` or the pipeline's name; Ray's proxy picks the
+        pipeline by the ``application`` metadata, as for every other call.
+        """
+        if request.service not in ("", SERVICE_NAME, self._spec.name):
+            if grpc_context is not None:
+                grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+                grpc_context.set_details(f"unknown service '{request.service}'")
+            return health_pb2.HealthCheckResponse()
+        return health_pb2.HealthCheckResponse(status=await self._serving_status())
+
+    async def Watch(  # noqa: N802
+        self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None
+    ) -> Any:
+        """``grpc.health.v1`` Watch: the current status at once, then every change (checked each second)."""
+        if request.service not in ("", SERVICE_NAME, self._spec.name):
+            yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            return
+        last = None
+        while True:
+            status = await self._serving_status()
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    async def _serving_status(self) -> int:
+        if self._draining:
+            return int(health_pb2.HealthCheckResponse.NOT_SERVING)
+        try:
+            metadata = await asyncio.wait_for(
+                asyncio.gather(*(_result(self._models[n].metadata.remote()) for n in self._models)),
+                timeout=HEALTH_PROBE_TIMEOUT_S,
+            )
+        except Exception:
+            return int(health_pb2.HealthCheckResponse.NOT_SERVING)
+        ready = all(meta["ready"] for meta in metadata)
+        return int(
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+
+    def reconfigure(self, config: dict[str, Any]) -> None:
+        """Serve's ``user_config`` hook, applied to every ingress replica: ``{"draining": true}`` makes
+        health checks report NOT_SERVING (before a shutdown), so load balancers stop sending traffic."""
+        self._draining = bool(config.get("draining", False))
+
+    def check_health(self) -> None:
+        """Serve's liveness probe of this replica: the ingress holds no state that can break."""
 
     async def model_versions(self) -> dict[str, str]:
         """Each model's serving version, asked of its replicas."""

@@ -23,6 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict, ValidationError
 
+from riskserve.pipelines.pools import check_pools, single_node_resources
 from riskserve.pipelines.spec import PipelineSpec, load_pipeline
 from riskserve.platform.artifacts import default_cache_dir
 from riskserve.platform.errors import ConfigError, ModelUnavailable, NotFound
@@ -98,13 +99,8 @@ def _free_port() -> int:
 
 
 def pool_resources(specs: Iterable[PipelineSpec]) -> dict[str, float]:
-    """Ray custom resources one node needs to host every pool of ``specs`` (largest capacity per pool)."""
-    resources: dict[str, float] = {}
-    for spec in specs:
-        for name, pool in spec.pools.items():
-            key = spec.pool_resource(name)
-            resources[key] = max(resources.get(key, 0.0), pool.cpus or 1.0)
-    return resources
+    """Ray custom resources one machine offers to host every pool of ``specs`` (see ``pools``)."""
+    return single_node_resources(list(specs))
 
 
 def _cpus_needed(specs: Iterable[PipelineSpec]) -> int:
@@ -154,6 +150,7 @@ def deploy_to_cluster(paths: Sequence[Path], *, address: str, grpc_port: int) ->
     import ray
 
     specs = [load_pipeline(p) for p in paths]
+    check_pools(specs)
     ray.init(address=address, log_to_driver=False)
     try:
         _check_pools_exist(specs)
@@ -172,6 +169,7 @@ def up_local(paths: Sequence[Path], *, grpc_port: int, timeout_s: float = READY_
         ModelUnavailable: the background process died or did not become ready in time (its log is named).
     """
     specs = [load_pipeline(p) for p in paths]  # fail fast, in the foreground, on a bad file
+    check_pools(specs)  # pipelines sharing a pool name share its capacity
     if read_state() is not None:
         raise ConfigError("a local riskserve is already running: `riskserve down` first")
     directory = state_dir()
@@ -225,6 +223,20 @@ def down(timeout_s: float = 90.0) -> LocalState:
     return state
 
 
+DRAIN_S = 2.0
+"""How long health checks report NOT_SERVING before Serve shuts down, so load balancers move away."""
+
+
+def _drain(specs: Sequence[PipelineSpec]) -> None:
+    from ray import serve
+
+    from riskserve.pipelines.app import build_application
+
+    for spec in specs:
+        serve.run(build_application(spec, draining=True), name=spec.name, route_prefix=f"/{spec.name}")
+    time.sleep(DRAIN_S)
+
+
 def _serve_forever(paths: Sequence[Path], grpc_port: int) -> int:
     """Body of the background process: own a local Ray and Serve until SIGTERM."""
     import ray
@@ -260,6 +272,7 @@ def _serve_forever(paths: Sequence[Path], grpc_port: int) -> int:
         tmp.rename(path)  # readers see no file or a whole one
         print(f"serving {state.pipelines} on {state.target}", flush=True)
         stop.wait()
+        _drain(specs)
     finally:
         from ray import serve
 

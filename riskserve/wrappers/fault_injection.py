@@ -43,6 +43,8 @@ class FaultInjectionSettings(ModelSettings):
     """That backend's settings (``artifact`` defaults to this model's)."""
     control_file: Path
     """JSON control file, read before every prediction."""
+    load_delay_ms: float = Field(default=0, ge=0, le=600_000)
+    """Extra time ``load`` takes, as a slow model start would (for readiness drills)."""
 
 
 class FaultInjectingModel(BaseModel[Any, FaultInjectionSettings]):
@@ -69,6 +71,7 @@ class FaultInjectingModel(BaseModel[Any, FaultInjectionSettings]):
         return self.inner._loaded_version()
 
     async def load(self) -> None:
+        await asyncio.sleep(self.settings.load_delay_ms / 1e3)
         await self.inner.load()
 
     async def predict(self, batch: Any) -> ModelOutput:

@@ -130,5 +130,5 @@ def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env
     _, features, models = ingress.init_args
     assert (ingress.name, features._bound_deployment.name) == ("ingress", "features")
     placed = {name: m._bound_deployment.ray_actor_options for name, m in models.items()}
-    assert placed["intent"] == {"num_cpus": 1.0, "resources": {"riskserve_pool_llm": 1.0}}
-    assert placed["fraud"] == {"num_cpus": 0.25, "resources": {"riskserve_pool_cpu": 0.25}}
+    assert placed["intent"] == {"num_cpus": 1.0, "resources": {"riskserve_pool_llm": 1000.0}}
+    assert placed["fraud"] == {"num_cpus": 0.25, "resources": {"riskserve_pool_cpu": 250.0}}

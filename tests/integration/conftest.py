@@ -52,7 +52,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
     ray.init(
         address="local",
         num_cpus=6,
-        resources={"riskserve_pool_cpu": 16, "riskserve_pool_llm": 4},
+        resources={"riskserve_pool_cpu": 16_000, "riskserve_pool_llm": 4_000},  # milli-CPUs (see pools.py)
         include_dashboard=False,
         log_to_driver=False,
     )
@@ -68,11 +68,20 @@ def serve_cluster() -> Iterator[ServeCluster]:
         ray.shutdown()
 
 
+GENEROUS_TIMEOUT_MS = 20_000
+"""Model budget in tests that check values: a loaded 2-core CI machine must not turn them into fallbacks."""
+
+
 def pipeline_on(yaml_name: str, models: Path, **overrides: Any) -> PipelineSpec:
-    """A shipped pipeline YAML with its artifacts pointed at ``models`` (the session's demo models)."""
+    """A shipped pipeline YAML with its artifacts pointed at ``models`` (the session's demo models).
+
+    Model timeouts are raised to :data:`GENEROUS_TIMEOUT_MS`; the resilience tests set their own.
+    """
     data = copy.deepcopy(yaml.safe_load((PIPELINES / yaml_name).read_text()))
     for model_name, model in data["models"].items():
         model["artifact"] = str(models / model_name)
+        model["timeout_ms"] = GENEROUS_TIMEOUT_MS
+    data.setdefault("serving", {})["decision_timeout_ms"] = GENEROUS_TIMEOUT_MS
     data.update(overrides)
     return parse_pipeline(data, base_dir=PIPELINES, source=yaml_name)
 
