@@ -25,6 +25,7 @@ from riskserve.pipelines.rules import DecisionEngine, ModelResult
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.breaker import BreakerSettings, CircuitBreaker
 from riskserve.platform.errors import DeadlineExceeded, InvalidInput
+from riskserve.platform.metrics import FallbackReason, ModelMetrics, PipelineMetrics
 from riskserve.platform.replica import ReplicaAnswer
 from riskserve.platform.tracing import (
     SPAN_DECIDE,
@@ -75,17 +76,31 @@ class PipelineIngress:
         self._engine = DecisionEngine(self._spec)
         self._features = features
         self._models = models
-        self._breakers = {
-            name: CircuitBreaker(
-                BreakerSettings(
-                    **model.breaker.model_dump(exclude={"slow_call_ms"}),
-                    slow_call_ms=model.breaker.slow_call_ms or model.timeout_ms,
-                ),
-                name=name,
-            )
-            for name, model in self._spec.models.items()
-        }
+        self._metrics = PipelineMetrics(self._spec.name)
+        self._model_metrics = {name: ModelMetrics(name, m.kind) for name, m in self._spec.models.items()}
+        self._breakers = {name: self._breaker(name) for name in self._spec.models}
         self._draining = False
+
+    def _breaker(self, name: str) -> CircuitBreaker:
+        model = self._spec.models[name]
+        settings = BreakerSettings(
+            **model.breaker.model_dump(exclude={"slow_call_ms"}),
+            slow_call_ms=model.breaker.slow_call_ms or model.timeout_ms,
+        )
+        metrics = self._model_metrics[name]
+        breaker = CircuitBreaker(
+            settings, name=name, on_transition=lambda old, new: metrics.breaker_state(new)
+        )
+        metrics.breaker_state(breaker.state)
+        return breaker
+
+    def _failed(self, error: Exception, span: Any, grpc_context: Any) -> None:
+        """Record a failed call (an invalid field is counted by name) and set its gRPC status."""
+        cause = getattr(error, "cause", error)
+        if isinstance(cause, InvalidInput):
+            self._metrics.invalid(cause.field or "request")
+        mark_error(error, span)
+        set_status(grpc_context, error)
 
     async def Decide(self, request: pb.DecideRequest, grpc_context: Any = None) -> pb.DecideResponse:  # noqa: N802
         """One decision, traced as one trace (continuing the caller's ``traceparent`` if it sent one)."""
@@ -94,8 +109,7 @@ class PipelineIngress:
                 deadline = _deadline(grpc_context, self._spec.serving.decision_timeout_ms)
                 (response,) = await self._decide([request], current_trace_id(), deadline)
             except Exception as error:  # every failure becomes a status, never Ray's INTERNAL traceback
-                mark_error(error, span)
-                set_status(grpc_context, error)
+                self._failed(error, span, grpc_context)
                 return pb.DecideResponse()
             return response
 
@@ -120,8 +134,7 @@ class PipelineIngress:
                 deadline = _deadline(grpc_context, self._spec.serving.decision_timeout_ms)
                 responses = await self._decide(list(request.requests), current_trace_id(), deadline)
             except Exception as error:
-                mark_error(error, span)
-                set_status(grpc_context, error)
+                self._failed(error, span, grpc_context)
                 return pb.DecideBatchResponse()
             return pb.DecideBatchResponse(responses=responses)
 
@@ -207,9 +220,11 @@ class PipelineIngress:
     async def _decide(
         self, requests: list[pb.DecideRequest], trace_id: str, deadline: float
     ) -> list[pb.DecideResponse]:
+        started = time.perf_counter()
         ids = [r.request_id or uuid.uuid4().hex for r in requests]
         stage_call = self._features.encode.remote([raw_request(r) for r in requests], trace=inject())
         stage: StageResult = await _within(stage_call, deadline, "the feature stage")
+        self._metrics.feature_latency(stage.latency_ms / 1e3)
         names = list(self._spec.models)
         per_model = await asyncio.gather(*(self._call_model(name, stage, deadline) for name in names))
         if time.monotonic() >= deadline:
@@ -220,6 +235,7 @@ class PipelineIngress:
             with start_span(SPAN_DECISION, attributes={"request.id": request_id}) as span:
                 decision = self._engine.decide(stage.rows[i], results)
                 span.set_attributes({"outcome": decision.outcome, "risk_score": decision.risk_score})
+            self._metrics.decision(decision.outcome)
             responses.append(
                 decide_response(
                     request_id=request_id,
@@ -229,6 +245,7 @@ class PipelineIngress:
                     trace_id=trace_id,
                 )
             )
+        self._metrics.decision_latency(time.perf_counter() - started)
         return responses
 
     async def _call_model(self, name: str, stage: StageResult, deadline: float) -> list[ModelResult]:
@@ -317,7 +334,8 @@ class PipelineIngress:
             )
         return out
 
-    def _fallback(self, name: str, rows: int, reason: str, started: float) -> list[ModelResult]:
+    def _fallback(self, name: str, rows: int, reason: FallbackReason, started: float) -> list[ModelResult]:
+        self._model_metrics[name].fallback(reason)
         fallback = self._spec.models[name].fallback
         latency_ms = (time.monotonic() - started) * 1e3
         result = ModelResult(

@@ -19,6 +19,7 @@ import ray
 
 from riskserve.platform.errors import ConfigError, ModelUnavailable
 from riskserve.platform.host import ModelHost
+from riskserve.platform.metrics import ModelMetrics
 from riskserve.platform.tracing import (
     SPAN_MODEL_PREDICT,
     SpanKind,
@@ -118,6 +119,7 @@ class ModelReplica:
         configure_tracing(TracingSettings.model_validate(tracing or {}))
         model_class, settings_class = backend(kind)
         self._kind = kind
+        self._metrics = ModelMetrics(name, kind)
         self._name = name
         self._host: ModelHost[Any] = ModelHost(
             model_class(settings_class.model_validate({"name": name, **settings}))
@@ -130,6 +132,7 @@ class ModelReplica:
             )
         self._select = self._column_selection(columns)
         self._started_at = time.time()
+        self._metrics.set_version(self._host.model.version)
         self._inputs: OrderedDict[str, InputInfo] = OrderedDict()
         self._calls = 0
         self._cancelled = 0
@@ -201,12 +204,21 @@ class ModelReplica:
         )
 
     async def _counting_cancellation(self, prediction: Any) -> Any:
-        """Await a prediction; a caller that gave up (deadline, timeout) cancels it here, and we count it."""
-        try:
-            return await prediction
-        except asyncio.CancelledError:
-            self._cancelled += 1
-            raise
+        """Await a prediction with the model's metrics; a caller that gave up (deadline, timeout) cancels it
+        here, and we count it."""
+        started = time.perf_counter()
+        with self._metrics.in_flight():
+            try:
+                output = await prediction
+            except asyncio.CancelledError:
+                self._cancelled += 1
+                self._metrics.error("CANCELLED", latency_s=time.perf_counter() - started)
+                raise
+            except Exception as error:
+                self._metrics.error(type(error).__name__, latency_s=time.perf_counter() - started)
+                raise
+        self._metrics.observe_call(time.perf_counter() - started, len(output), output.version)
+        return output
 
     def metadata(self) -> dict[str, Any]:
         """The model's metadata plus which process serves it (used to prove nothing restarted)."""

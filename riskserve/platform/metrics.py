@@ -1,0 +1,622 @@
+"""One metrics vocabulary for every model and pipeline, exported through Ray's metrics pipeline.
+
+Every metric is a ``ray.serve.metrics`` Counter, Histogram or Gauge. A replica records into its own
+process; Ray's core worker sends the values to the node's metrics agent every
+``metrics_report_interval_ms`` (10 s by default) and the agent serves them in Prometheus text format on the
+node's *metrics export port* (``http://NODE:PORT/metrics``). Inside a Serve replica Serve adds the
+``deployment``, ``replica`` and ``application`` tags by itself; Ray adds ``Component``, ``NodeAddress``,
+``SessionName``, ``Version`` and ``WorkerId``.
+
+Names as Prometheus sees them (observed on Ray 2.60's ``/metrics`` page): Ray puts ``ray_`` in front of every
+custom metric, and a counter gets ``_total`` after it, so the counter declared here as
+``riskserve_decisions`` is scraped as ``ray_riskserve_decisions_total`` and the histogram
+``riskserve_decision_latency_seconds`` as ``ray_riskserve_decision_latency_seconds_bucket`` / ``_count`` /
+``_sum``. :attr:`MetricSpec.exported` gives the exact name of each one. A histogram's ``_bucket`` and
+``_count`` are exact; its ``_sum`` is not: Ray's agent rebuilds it from bucket midpoints, so quantiles come
+from ``histogram_quantile`` over buckets, and ``_sum / _count`` is only a rough mean.
+
+Model level (tags ``model``, ``kind`` and, where relevant, ``version``, ``outcome``, ``reason``)::
+
+    ray_riskserve_model_requests_total{model,kind,version,outcome}   outcome: ok | error
+    ray_riskserve_model_errors_total{model,kind,reason}
+    ray_riskserve_model_latency_seconds_*{model,kind,version}        0.1 ms .. 10 s
+    ray_riskserve_model_batch_rows_*{model,kind}                     1 .. 4096 rows
+    ray_riskserve_model_fallbacks_total{model,kind,reason}           CIRCUIT_OPEN|TIMEOUT|ERROR|OVERLOADED
+    ray_riskserve_model_breaker_state{model,kind}                    0 closed, 1 half-open, 2 open
+    ray_riskserve_model_in_flight{model,kind}
+    ray_riskserve_model_version_info{model,kind,version}             1 serving, 0 replaced
+
+Pipeline level (tag ``pipeline``)::
+
+    ray_riskserve_decisions_total{pipeline,outcome}                  APPROVE | REVIEW | DECLINE
+    ray_riskserve_invalid_requests_total{pipeline,field}
+    ray_riskserve_decision_latency_seconds_*{pipeline}
+    ray_riskserve_feature_latency_seconds_*{pipeline}
+
+Callers stay one-liners::
+
+    metrics = ModelMetrics("fraud", "treelite")
+    with metrics.in_flight():
+        ...
+    metrics.observe_call(latency_s, rows, version)
+
+    PipelineMetrics("card_fraud").decision("APPROVE")
+
+Ray metric objects are created lazily, on first use, once per process and shared by every caller of that
+process: a :class:`ModelMetrics` built in a driver and shipped to a replica (``.bind``) holds no Ray object,
+and the first record inside the replica creates the real ones there, with Serve's tags. Outside Ray the same
+objects are created and recorded into (Ray keeps them in the process and exports nothing), so plain unit
+tests run the real code path; :func:`recorded` reads back what this process recorded.
+
+Gauges: Ray 2.60's metrics agent drops a gauge series that its worker has not re-sent within two report
+intervals, and a worker re-sends only gauges set since its last report; a gauge set once (a breaker that
+stays open, the serving version) would vanish from ``/metrics`` after ~20 s. This module therefore keeps the
+last value of every gauge series of the process and re-sets them from a daemon thread every half report
+interval.
+
+Where the endpoint is: :func:`metrics_export_port` (this node) and :func:`metrics_targets` (every node);
+a fixed port and a shorter report interval are ``ray.init(**ray_metrics_options(port, interval_ms))``, i.e.
+``ray.init(_metrics_export_port=PORT, _system_config={"metrics_report_interval_ms": MS})``, or
+``ray start --metrics-export-port=PORT`` with ``RAY_metrics_report_interval_ms=MS`` in the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+__all__ = [
+    "ALL_METRICS",
+    "BATCH_ROWS_BUCKETS",
+    "BREAKER_STATE_VALUES",
+    "DECISIONS",
+    "DECISION_LATENCY",
+    "DECISION_OUTCOMES",
+    "DEFAULT_METRICS_EXPORT_PORT",
+    "EXPORT_PREFIX",
+    "FALLBACK_REASONS",
+    "FEATURE_LATENCY",
+    "INVALID_REQUESTS",
+    "LATENCY_BUCKETS_S",
+    "MODEL_BATCH_ROWS",
+    "MODEL_BREAKER_STATE",
+    "MODEL_ERRORS",
+    "MODEL_FALLBACKS",
+    "MODEL_IN_FLIGHT",
+    "MODEL_LATENCY",
+    "MODEL_REQUESTS",
+    "MODEL_VERSION_INFO",
+    "REPORT_INTERVAL_ENV",
+    "DecisionOutcome",
+    "FallbackReason",
+    "MetricSpec",
+    "MetricType",
+    "ModelMetrics",
+    "PipelineMetrics",
+    "metrics_export_port",
+    "metrics_targets",
+    "ray_metrics_options",
+    "recorded",
+]
+
+logger = logging.getLogger(__name__)
+
+EXPORT_PREFIX: Final = "ray_"
+"""What Ray puts in front of every custom metric name on its ``/metrics`` page."""
+
+DEFAULT_METRICS_EXPORT_PORT: Final = 8080
+"""The port KubeRay gives every Ray pod's metrics agent (container port ``metrics``); a sane fixed choice."""
+
+REPORT_INTERVAL_ENV: Final = "RAY_metrics_report_interval_ms"
+"""Environment variable that sets how often workers report metrics (Ray's default: 10000 ms, floor 1000)."""
+
+LATENCY_BUCKETS_S: Final[tuple[float, ...]] = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+"""Latency bucket upper bounds in seconds: 0.1 ms (a Treelite row) .. 10 s (an LLM under load)."""
+
+BATCH_ROWS_BUCKETS: Final[tuple[float, ...]] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+"""Batch size bucket upper bounds in rows (the ingress takes at most 1024 requests per batch)."""
+
+FallbackReason = Literal["CIRCUIT_OPEN", "TIMEOUT", "ERROR", "OVERLOADED"]
+"""Why a model's YAML fallback answered instead of the model."""
+
+FALLBACK_REASONS: Final[tuple[FallbackReason, ...]] = ("CIRCUIT_OPEN", "TIMEOUT", "ERROR", "OVERLOADED")
+
+DecisionOutcome = Literal["APPROVE", "REVIEW", "DECLINE"]
+"""A pipeline's decision."""
+
+DECISION_OUTCOMES: Final[tuple[DecisionOutcome, ...]] = ("APPROVE", "REVIEW", "DECLINE")
+
+BREAKER_STATE_VALUES: Final[Mapping[str, int]] = {"closed": 0, "half_open": 1, "open": 2}
+"""Gauge value of each circuit-breaker state (the values of ``riskserve.platform.breaker.BreakerState``)."""
+
+MetricType = Literal["counter", "gauge", "histogram"]
+
+_MAX_FREE_VALUES: Final = 64
+"""Distinct values kept per free-form tag (an invalid request's field, an error's reason); then ``other``."""
+
+_MAX_RETIRED_VERSIONS: Final = 4
+"""Replaced model versions whose ``version_info`` series stays exported at 0."""
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric of the vocabulary: how it is declared to Ray and how Prometheus sees it."""
+
+    name: str
+    """The name given to Ray (no ``ray_`` prefix, no ``_total`` suffix)."""
+    type: MetricType
+    description: str
+    tag_keys: tuple[str, ...]
+    boundaries: tuple[float, ...] = ()
+    """Histogram bucket upper bounds."""
+
+    @property
+    def exported(self) -> str:
+        """The metric name on Ray's ``/metrics`` page and in PromQL (histograms: add ``_bucket`` etc.)."""
+        return EXPORT_PREFIX + self.name + ("_total" if self.type == "counter" else "")
+
+
+_MODEL_TAGS: Final = ("model", "kind")
+
+MODEL_REQUESTS: Final = MetricSpec(
+    "riskserve_model_requests",
+    "counter",
+    "Calls a model answered (outcome=ok) or failed (outcome=error), by serving version.",
+    (*_MODEL_TAGS, "version", "outcome"),
+)
+MODEL_ERRORS: Final = MetricSpec(
+    "riskserve_model_errors",
+    "counter",
+    "Calls a model failed, by reason.",
+    (*_MODEL_TAGS, "reason"),
+)
+MODEL_LATENCY: Final = MetricSpec(
+    "riskserve_model_latency_seconds",
+    "histogram",
+    "Time a model took to answer one call (one batch), in seconds.",
+    (*_MODEL_TAGS, "version"),
+    LATENCY_BUCKETS_S,
+)
+MODEL_BATCH_ROWS: Final = MetricSpec(
+    "riskserve_model_batch_rows",
+    "histogram",
+    "Rows in one call to a model.",
+    _MODEL_TAGS,
+    BATCH_ROWS_BUCKETS,
+)
+MODEL_FALLBACKS: Final = MetricSpec(
+    "riskserve_model_fallbacks",
+    "counter",
+    "Calls answered by the model's fallback instead of the model: CIRCUIT_OPEN, TIMEOUT, ERROR, OVERLOADED.",
+    (*_MODEL_TAGS, "reason"),
+)
+MODEL_BREAKER_STATE: Final = MetricSpec(
+    "riskserve_model_breaker_state",
+    "gauge",
+    "The model's circuit breaker: 0 closed, 1 half-open, 2 open.",
+    _MODEL_TAGS,
+)
+MODEL_IN_FLIGHT: Final = MetricSpec(
+    "riskserve_model_in_flight",
+    "gauge",
+    "Calls to the model being answered now in this process.",
+    _MODEL_TAGS,
+)
+MODEL_VERSION_INFO: Final = MetricSpec(
+    "riskserve_model_version_info",
+    "gauge",
+    "1 for the version the model serves, 0 for a version it replaced.",
+    (*_MODEL_TAGS, "version"),
+)
+DECISIONS: Final = MetricSpec(
+    "riskserve_decisions",
+    "counter",
+    "Decisions of a pipeline, by outcome: APPROVE, REVIEW, DECLINE.",
+    ("pipeline", "outcome"),
+)
+INVALID_REQUESTS: Final = MetricSpec(
+    "riskserve_invalid_requests",
+    "counter",
+    "Requests a pipeline rejected as invalid, by offending field.",
+    ("pipeline", "field"),
+)
+DECISION_LATENCY: Final = MetricSpec(
+    "riskserve_decision_latency_seconds",
+    "histogram",
+    "End-to-end time of one decision call (features, models, rules), in seconds.",
+    ("pipeline",),
+    LATENCY_BUCKETS_S,
+)
+FEATURE_LATENCY: Final = MetricSpec(
+    "riskserve_feature_latency_seconds",
+    "histogram",
+    "Time of the feature stage for one decision call, in seconds.",
+    ("pipeline",),
+    LATENCY_BUCKETS_S,
+)
+
+ALL_METRICS: Final[tuple[MetricSpec, ...]] = (
+    MODEL_REQUESTS,
+    MODEL_ERRORS,
+    MODEL_LATENCY,
+    MODEL_BATCH_ROWS,
+    MODEL_FALLBACKS,
+    MODEL_BREAKER_STATE,
+    MODEL_IN_FLIGHT,
+    MODEL_VERSION_INFO,
+    DECISIONS,
+    INVALID_REQUESTS,
+    DECISION_LATENCY,
+    FEATURE_LATENCY,
+)
+
+_Tags = tuple[tuple[str, str], ...]
+"""A series' tags, ordered like the metric's tag keys (hashable)."""
+
+
+def _report_interval_s() -> float:
+    """How often this process's worker reports metrics (Ray floors the interval at 1 s)."""
+    try:
+        import ray
+
+        interval_ms = float(ray._config.metrics_report_interval_ms())
+    except Exception:  # no usable Ray: the default
+        interval_ms = 10_000.0
+    return max(interval_ms, 1000.0) / 1000.0
+
+
+class _Registry:
+    """This process's Ray metric objects, the last value of each gauge series and a local tally."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._lock = threading.RLock()
+        self._metrics: dict[str, Any] = {}
+        self._gauges: dict[tuple[str, _Tags], float] = {}
+        self._counts: dict[tuple[str, _Tags], float] = {}
+        self._free_values: dict[tuple[str, str], set[str]] = {}
+        self.in_flight: dict[tuple[str, str], int] = {}
+        self.versions: dict[tuple[str, str], str] = {}
+        self.retired: dict[tuple[str, str], list[str]] = {}
+        self._refresher: threading.Thread | None = None
+        self._refresh_failed = False
+
+    def _metric(self, spec: MetricSpec) -> Any:
+        metric = self._metrics.get(spec.name)
+        if metric is None:
+            from ray.serve import metrics as ray_serve_metrics
+
+            serve_metrics: Any = ray_serve_metrics  # Ray annotates tag_keys as tuple[str] (one key)
+            if spec.type == "counter":
+                metric = serve_metrics.Counter(
+                    spec.name, description=spec.description, tag_keys=spec.tag_keys
+                )
+            elif spec.type == "gauge":
+                metric = serve_metrics.Gauge(spec.name, description=spec.description, tag_keys=spec.tag_keys)
+            else:
+                metric = serve_metrics.Histogram(
+                    spec.name,
+                    description=spec.description,
+                    boundaries=list(spec.boundaries),
+                    tag_keys=spec.tag_keys,
+                )
+            self._metrics[spec.name] = metric
+        return metric
+
+    @staticmethod
+    def _key(spec: MetricSpec, tags: Mapping[str, str]) -> tuple[str, _Tags]:
+        return spec.name, tuple((key, tags[key]) for key in spec.tag_keys)
+
+    def bounded(self, spec: MetricSpec, key: str, value: str) -> str:
+        """``value``, or ``other`` once the tag already has :data:`_MAX_FREE_VALUES` distinct values."""
+        with self._lock:
+            seen = self._free_values.setdefault((spec.name, key), set())
+            if value in seen:
+                return value
+            if len(seen) >= _MAX_FREE_VALUES:
+                return "other"
+            seen.add(value)
+            return value
+
+    def inc(self, spec: MetricSpec, tags: Mapping[str, str], value: float = 1.0) -> None:
+        with self._lock:
+            metric = self._metric(spec)
+            key = self._key(spec, tags)
+            self._counts[key] = self._counts.get(key, 0.0) + value
+        metric.inc(value, tags=dict(tags))
+
+    def observe(self, spec: MetricSpec, tags: Mapping[str, str], value: float) -> None:
+        with self._lock:
+            metric = self._metric(spec)
+            key = self._key(spec, tags)
+            self._counts[key] = self._counts.get(key, 0.0) + 1.0
+        metric.observe(float(value), tags=dict(tags))
+
+    def set_gauge(self, spec: MetricSpec, tags: Mapping[str, str], value: float, keep: bool = True) -> None:
+        """Set a gauge series; ``keep``: re-send it until :meth:`forget` (else it ages out of Ray's agent)."""
+        with self._lock:
+            metric = self._metric(spec)
+            key = self._key(spec, tags)
+            self._counts[key] = float(value)
+            if keep:
+                self._gauges[key] = float(value)
+                self._start_refresher()
+            else:
+                self._gauges.pop(key, None)
+        metric.set(float(value), tags=dict(tags))
+
+    def forget(self, spec: MetricSpec, tags: Mapping[str, str]) -> None:
+        """Stop re-sending a gauge series: Ray's agent drops it after two report intervals."""
+        with self._lock:
+            self._gauges.pop(self._key(spec, tags), None)
+
+    def recorded(self, spec: MetricSpec, tags: Mapping[str, str]) -> float:
+        with self._lock:
+            items = [
+                value
+                for (name, series), value in self._counts.items()
+                if name == spec.name and all(pair in series for pair in tags.items())
+            ]
+        return float(sum(items))
+
+    def _start_refresher(self) -> None:
+        if self._refresher is None:
+            self._refresher = threading.Thread(
+                target=self._refresh_forever, name="riskserve-gauges", daemon=True
+            )
+            self._refresher.start()
+
+    def _refresh_forever(self) -> None:
+        stop = threading.Event()
+        while not stop.wait(_report_interval_s() / 2):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Re-send every kept gauge series with its last value."""
+        with self._lock:
+            series = [
+                (self._metrics[name], dict(tags), value) for (name, tags), value in self._gauges.items()
+            ]
+        for metric, tags, value in series:
+            try:
+                metric.set(value, tags=tags)
+            except Exception:
+                if not self._refresh_failed:
+                    self._refresh_failed = True
+                    logger.exception("riskserve metrics: re-sending gauge %s failed", metric.info["name"])
+
+
+_registry_lock = threading.Lock()
+_registry_instance: _Registry | None = None
+
+
+def _registry() -> _Registry:
+    """This process's registry (a new one after a fork: Ray objects do not survive one)."""
+    global _registry_instance
+    with _registry_lock:
+        if _registry_instance is None or _registry_instance.pid != os.getpid():
+            _registry_instance = _Registry()
+        return _registry_instance
+
+
+def recorded(metric: MetricSpec, **tags: str) -> float:
+    """What this process recorded into ``metric`` for the series matching ``tags`` (a subset of its tags).
+
+    Summed over the matching series: counters their counts, histograms their numbers of observations,
+    gauges their current values. For unit tests, which have no metrics agent to scrape.
+    """
+    unknown = set(tags) - set(metric.tag_keys)
+    if unknown:
+        raise ValueError(f"{metric.name} has no tag {sorted(unknown)}; its tags are {list(metric.tag_keys)}")
+    return _registry().recorded(metric, tags)
+
+
+def _breaker_value(state: object) -> int:
+    if isinstance(state, bool):
+        raise ValueError(f"not a breaker state: {state!r}")
+    if isinstance(state, int):
+        if state not in BREAKER_STATE_VALUES.values():
+            raise ValueError(f"breaker state gauge is 0, 1 or 2, got {state}")
+        return state
+    name = str(getattr(state, "value", state)).lower().replace("-", "_")
+    if name not in BREAKER_STATE_VALUES:
+        raise ValueError(f"unknown breaker state {state!r}; expected one of {list(BREAKER_STATE_VALUES)}")
+    return BREAKER_STATE_VALUES[name]
+
+
+class ModelMetrics:
+    """The metrics of one model, as recorded by its replica and by the ingress that calls it.
+
+    Cheap to construct anywhere (no Ray object is created until the first record), picklable, and every
+    instance of the same ``(model, kind)`` in a process shares the in-flight count and serving version.
+    """
+
+    def __init__(self, model: str, kind: str) -> None:
+        """``model``: the pipeline's model name; ``kind``: its backend (``sklearn``, ``treelite``, ...)."""
+        self.model = model
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"ModelMetrics(model={self.model!r}, kind={self.kind!r})"
+
+    def _tags(self, **extra: str) -> dict[str, str]:
+        return {"model": self.model, "kind": self.kind, **extra}
+
+    @property
+    def version(self) -> str:
+        """The serving version last set in this process ('' before any)."""
+        return _registry().versions.get((self.model, self.kind), "")
+
+    def observe_call(self, latency_s: float, rows: int, version: str = "") -> None:
+        """A call the model answered: one request (outcome ok), its latency and its batch size.
+
+        A ``version`` other than the one serving becomes the serving version (:meth:`set_version`).
+        """
+        registry = _registry()
+        if version and version != self.version:
+            self.set_version(version)
+        registry.inc(MODEL_REQUESTS, self._tags(version=version, outcome="ok"))
+        registry.observe(MODEL_LATENCY, self._tags(version=version), latency_s)
+        registry.observe(MODEL_BATCH_ROWS, self._tags(), rows)
+
+    def error(self, reason: str, version: str = "", latency_s: float | None = None) -> None:
+        """A call the model failed: one request (outcome error) and one error of ``reason``.
+
+        ``reason`` is a short stable word (an exception class name, ``UNAVAILABLE``, ...); past 64 distinct
+        reasons in a process the rest are counted as ``other``. ``latency_s``, when given, is observed too.
+        """
+        registry = _registry()
+        registry.inc(MODEL_REQUESTS, self._tags(version=version, outcome="error"))
+        registry.inc(MODEL_ERRORS, self._tags(reason=registry.bounded(MODEL_ERRORS, "reason", reason)))
+        if latency_s is not None:
+            registry.observe(MODEL_LATENCY, self._tags(version=version), latency_s)
+
+    def fallback(self, reason: FallbackReason) -> None:
+        """One call answered by the fallback: ``CIRCUIT_OPEN``, ``TIMEOUT``, ``ERROR`` or ``OVERLOADED``."""
+        if reason not in FALLBACK_REASONS:
+            raise ValueError(f"unknown fallback reason {reason!r}; expected one of {list(FALLBACK_REASONS)}")
+        _registry().inc(MODEL_FALLBACKS, self._tags(reason=reason))
+
+    def breaker_state(self, state: object) -> None:
+        """The breaker's state: a ``BreakerState``, its value (``closed``/``half_open``/``open``) or 0-2."""
+        _registry().set_gauge(MODEL_BREAKER_STATE, self._tags(), _breaker_value(state))
+
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Count a call as in flight while the block runs (also around ``await`` in async code)."""
+        registry = _registry()
+        key = (self.model, self.kind)
+        with registry._lock:
+            registry.in_flight[key] = registry.in_flight.get(key, 0) + 1
+            registry.set_gauge(MODEL_IN_FLIGHT, self._tags(), registry.in_flight[key])
+        try:
+            yield
+        finally:
+            with registry._lock:
+                registry.in_flight[key] -= 1
+                registry.set_gauge(MODEL_IN_FLIGHT, self._tags(), registry.in_flight[key])
+
+    def set_version(self, version: str) -> None:
+        """``version`` is now served: its ``version_info`` series is 1, the one it replaces 0."""
+        registry = _registry()
+        key = (self.model, self.kind)
+        with registry._lock:
+            previous = registry.versions.get(key)
+            registry.versions[key] = version
+            retired = registry.retired.setdefault(key, [])
+            if version in retired:
+                retired.remove(version)
+            if previous is not None and previous != version:
+                registry.set_gauge(MODEL_VERSION_INFO, self._tags(version=previous), 0)
+                retired.append(previous)
+                while len(retired) > _MAX_RETIRED_VERSIONS:
+                    registry.forget(MODEL_VERSION_INFO, self._tags(version=retired.pop(0)))
+            registry.set_gauge(MODEL_VERSION_INFO, self._tags(version=version), 1)
+
+
+class PipelineMetrics:
+    """The metrics of one pipeline (one Serve application), recorded by its ingress."""
+
+    def __init__(self, pipeline: str) -> None:
+        """``pipeline``: the pipeline's name."""
+        self.pipeline = pipeline
+
+    def __repr__(self) -> str:
+        return f"PipelineMetrics(pipeline={self.pipeline!r})"
+
+    def decision(self, outcome: DecisionOutcome | str, count: int = 1) -> None:
+        """``count`` decisions with ``outcome`` (``APPROVE``, ``REVIEW`` or ``DECLINE``)."""
+        if outcome not in DECISION_OUTCOMES:
+            raise ValueError(
+                f"unknown decision outcome {outcome!r}; expected one of {list(DECISION_OUTCOMES)}"
+            )
+        if count > 0:
+            _registry().inc(DECISIONS, {"pipeline": self.pipeline, "outcome": str(outcome)}, float(count))
+
+    def invalid(self, field: str) -> None:
+        """One request rejected as invalid because of ``field`` (past 64 distinct fields: ``other``)."""
+        registry = _registry()
+        bounded = registry.bounded(INVALID_REQUESTS, "field", field or "unknown")
+        registry.inc(INVALID_REQUESTS, {"pipeline": self.pipeline, "field": bounded})
+
+    def decision_latency(self, seconds: float) -> None:
+        """End-to-end time of one decision call."""
+        _registry().observe(DECISION_LATENCY, {"pipeline": self.pipeline}, seconds)
+
+    def feature_latency(self, seconds: float) -> None:
+        """Time of the feature stage for one decision call."""
+        _registry().observe(FEATURE_LATENCY, {"pipeline": self.pipeline}, seconds)
+
+
+def _nodes() -> list[dict[str, Any]]:
+    import ray
+
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    return nodes
+
+
+def metrics_export_port() -> int | None:
+    """The Prometheus port of this process's Ray node (its ``/metrics`` page), or None outside Ray.
+
+    Ray always starts the metrics agent; without ``_metrics_export_port`` it picks a free port, found here.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in _nodes():
+        if node.get("NodeID") == node_id and node.get("MetricsExportPort"):
+            return int(node["MetricsExportPort"])
+    return None
+
+
+def metrics_targets() -> list[str]:
+    """``HOST:PORT`` of every live node's metrics endpoint (a Prometheus ``static_configs`` target list)."""
+    import ray
+
+    if not ray.is_initialized():
+        return []
+    return [
+        f"{node['NodeManagerAddress']}:{node['MetricsExportPort']}"
+        for node in _nodes()
+        if node.get("Alive") and node.get("MetricsExportPort")
+    ]
+
+
+def ray_metrics_options(
+    export_port: int | None = None, report_interval_ms: int | None = None
+) -> dict[str, Any]:
+    """``ray.init`` keyword arguments for a fixed metrics export port and a report interval.
+
+    ``ray.init(address="local", ..., **ray_metrics_options(8080, 1000))``. The interval applies to every
+    process of the new Ray (Ray floors it at 1000 ms); it cannot be changed for a Ray that is already up.
+    """
+    options: dict[str, Any] = {}
+    if export_port is not None:
+        options["_metrics_export_port"] = export_port
+    if report_interval_ms is not None:
+        options["_system_config"] = {"metrics_report_interval_ms": int(report_interval_ms)}
+    return options
