@@ -20,7 +20,7 @@ from ray.serve import Application
 
 from riskserve.features.stage import FeatureStage
 from riskserve.pipelines.ingress import PipelineIngress
-from riskserve.pipelines.pools import actor_options
+from riskserve.pipelines.pools import actor_options, check_pools
 from riskserve.pipelines.spec import PipelineSpec, StageSpec, load_pipeline
 from riskserve.platform.replica import ModelReplica
 
@@ -96,6 +96,7 @@ def build_application(spec: PipelineSpec, *, draining: bool = False) -> Applicat
     ``draining=True`` deploys the same application with the ingress draining (health NOT_SERVING): Serve
     applies a ``user_config`` change to every replica in place, without restarting anything.
     """
+    check_pools(spec)  # also refused by `riskserve up`, across all the pipelines it starts together
     data = spec.resolved()
     names = deployment_names(spec)
     features_args = (data["features"], data["tracing"])

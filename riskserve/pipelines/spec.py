@@ -264,9 +264,6 @@ def _reference_errors(spec: PipelineSpec) -> list[str]:
         except ValidationError as error:
             for item in error.errors():
                 errors.append(f"{where}.settings.{_path(item['loc'])}: {item['msg']}")
-    from riskserve.pipelines.pools import overcommit_errors
-
-    errors += overcommit_errors(spec)
     errors += rule_errors(spec)
     return errors
 

@@ -101,14 +101,28 @@ def test_status_shows_models_versions_and_health(
     assert "HEALTHY" in status.stdout
 
 
-def test_up_refuses_an_invalid_pipeline_naming_the_path(cli_env: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"timeout_ms": 0}, "models.fraud.timeout_ms: Input should be greater than 0"),
+        (
+            {"num_cpus": 0.75, "replicas": 2},
+            "pools.cpu: models need 2.25 CPUs (credit 1 x 0.25, fraud 2 x 0.75, features 1 x 0.25, "
+            "ingress 1 x 0.25), the pool has 1",
+        ),
+    ],
+    ids=["bad-field", "over-committed-pool"],
+)
+def test_up_refuses_an_invalid_pipeline_naming_the_path(
+    cli_env: dict[str, str], tmp_path: Path, edit: dict[str, float], message: str
+) -> None:
     data = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
-    data["models"]["fraud"]["timeout_ms"] = 0
+    data["models"]["fraud"].update(edit)
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     result = _riskserve("up", str(path), env={**cli_env, "RISKSERVE_STATE_DIR": str(tmp_path)}, timeout=60)
     assert result.returncode == 2
-    assert "models.fraud.timeout_ms: Input should be greater than 0" in result.stderr
+    assert message in result.stderr
 
 
 def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env: dict[str, str]) -> None:
