@@ -51,7 +51,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
 
     ray.init(
         address="local",
-        num_cpus=6,
+        num_cpus=16,  # logical: test pipelines are many small replicas, mostly idle
         resources={"riskserve_pool_cpu": 16_000, "riskserve_pool_llm": 4_000},  # milli-CPUs (see pools.py)
         include_dashboard=False,
         log_to_driver=False,
@@ -93,3 +93,16 @@ def deploy(spec: PipelineSpec) -> None:
     from riskserve.pipelines.app import build_application
 
     serve.run(build_application(spec), name=spec.name, route_prefix=f"/{spec.name}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _delete_apps_after_module() -> Iterator[None]:
+    """Each test module deletes the pipelines it deployed, so the session's cluster never fills up."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        from ray import serve
+
+        for name in list(serve.status().applications):
+            serve.delete(name)
