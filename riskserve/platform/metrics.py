@@ -46,18 +46,22 @@ Ray metric objects are created lazily, on first use, once per process and shared
 process: a :class:`ModelMetrics` built in a driver and shipped to a replica (``.bind``) holds no Ray object,
 and the first record inside the replica creates the real ones there, with Serve's tags. Outside Ray the same
 objects are created and recorded into (Ray keeps them in the process and exports nothing), so plain unit
-tests run the real code path; :func:`recorded` reads back what this process recorded.
+tests run the real code path; :func:`recorded` reads back what this process recorded. (Shipping Ray's own
+metric objects instead would not do: Serve's ``Histogram`` unpickles as a plain ``ray.util.metrics``
+histogram, without Serve's tags.)
 
-Gauges: Ray 2.60's metrics agent drops a gauge series that its worker has not re-sent within two report
-intervals, and a worker re-sends only gauges set since its last report; a gauge set once (a breaker that
-stays open, the serving version) would vanish from ``/metrics`` after ~20 s. This module therefore keeps the
-last value of every gauge series of the process and re-sets them from a daemon thread every half report
-interval.
+Gauges: Ray 2.60's metrics agent drops a gauge series that no report has refreshed for two of its report
+intervals, and a worker reports only gauges set since its last report: a gauge set once (a breaker that
+stays open, the serving version) vanishes from ``/metrics`` after ~20 s (2 s at a 1 s interval). This module
+therefore keeps the last value of every gauge series of the process and sets them again from a daemon thread
+every half report interval.
 
-Where the endpoint is: :func:`metrics_export_port` (this node) and :func:`metrics_targets` (every node);
-a fixed port and a shorter report interval are ``ray.init(**ray_metrics_options(port, interval_ms))``, i.e.
-``ray.init(_metrics_export_port=PORT, _system_config={"metrics_report_interval_ms": MS})``, or
-``ray start --metrics-export-port=PORT`` with ``RAY_metrics_report_interval_ms=MS`` in the environment.
+Where the endpoint is: :func:`metrics_export_port` (this node) and :func:`metrics_targets` (every node).
+Ray always runs the agent: on ``ray.init(_metrics_export_port=PORT)`` or ``ray start
+--metrics-export-port=PORT`` (:func:`ray_metrics_options`), else on a free port it picks. The report
+interval is the environment variable ``RAY_metrics_report_interval_ms`` of the process that starts Ray
+(:func:`set_metrics_report_interval`); ``_system_config={"metrics_report_interval_ms": MS}`` changes the
+workers' cadence but not the agent's gauge TTL.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ __all__ = [
     "metrics_targets",
     "ray_metrics_options",
     "recorded",
+    "set_metrics_report_interval",
 ]
 
 logger = logging.getLogger(__name__)
@@ -365,7 +370,7 @@ class _Registry:
                 self._start_refresher()
             else:
                 self._gauges.pop(key, None)
-        metric.set(float(value), tags=dict(tags))
+            metric.set(float(value), tags=dict(tags))
 
     def forget(self, spec: MetricSpec, tags: Mapping[str, str]) -> None:
         """Stop re-sending a gauge series: Ray's agent drops it after two report intervals."""
@@ -394,18 +399,18 @@ class _Registry:
             self.refresh()
 
     def refresh(self) -> None:
-        """Re-send every kept gauge series with its last value."""
+        """Re-send every kept gauge series with its last value.
+
+        Under the lock every set takes, so a re-send never overwrites a newer value with an older one.
+        """
         with self._lock:
-            series = [
-                (self._metrics[name], dict(tags), value) for (name, tags), value in self._gauges.items()
-            ]
-        for metric, tags, value in series:
-            try:
-                metric.set(value, tags=tags)
-            except Exception:
-                if not self._refresh_failed:
-                    self._refresh_failed = True
-                    logger.exception("riskserve metrics: re-sending gauge %s failed", metric.info["name"])
+            for (name, tags), value in self._gauges.items():
+                try:
+                    self._metrics[name].set(value, tags=dict(tags))
+                except Exception:
+                    if not self._refresh_failed:
+                        self._refresh_failed = True
+                        logger.exception("riskserve metrics: re-sending gauge %s failed", name)
 
 
 _registry_lock = threading.Lock()
@@ -606,17 +611,24 @@ def metrics_targets() -> list[str]:
     ]
 
 
-def ray_metrics_options(
-    export_port: int | None = None, report_interval_ms: int | None = None
-) -> dict[str, Any]:
-    """``ray.init`` keyword arguments for a fixed metrics export port and a report interval.
+def ray_metrics_options(export_port: int | None = None) -> dict[str, Any]:
+    """``ray.init`` keyword arguments for a fixed metrics export port (``**ray_metrics_options(8080)``).
 
-    ``ray.init(address="local", ..., **ray_metrics_options(8080, 1000))``. The interval applies to every
-    process of the new Ray (Ray floors it at 1000 ms); it cannot be changed for a Ray that is already up.
+    The same as ``ray start --metrics-export-port=8080``; without one Ray picks a free port
+    (:func:`metrics_export_port` finds it).
     """
-    options: dict[str, Any] = {}
-    if export_port is not None:
-        options["_metrics_export_port"] = export_port
-    if report_interval_ms is not None:
-        options["_system_config"] = {"metrics_report_interval_ms": int(report_interval_ms)}
-    return options
+    return {} if export_port is None else {"_metrics_export_port": int(export_port)}
+
+
+def set_metrics_report_interval(interval_ms: int) -> None:
+    """Make every Ray process started from this one report metrics every ``interval_ms`` (floor 1000).
+
+    Sets :data:`REPORT_INTERVAL_ENV` in this process's environment, so call it before ``ray.init`` (or put
+    ``RAY_metrics_report_interval_ms=MS`` in the environment of ``ray start``): the raylet, the metrics agent
+    and the workers inherit it. ``ray.init(_system_config={"metrics_report_interval_ms": MS})`` reaches the
+    workers but not the agent, which then still keeps each gauge for two *default* intervals (20 s).
+    It changes nothing for a Ray that is already running.
+    """
+    if interval_ms <= 0:
+        raise ValueError(f"the report interval is a positive number of milliseconds, got {interval_ms}")
+    os.environ[REPORT_INTERVAL_ENV] = str(int(interval_ms))

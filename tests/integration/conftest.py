@@ -8,6 +8,8 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Metrics reach Ray's agent each second (env, not _system_config: it must reach the agent too).
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 
 import copy
 import socket
@@ -36,6 +38,7 @@ class ServeCluster:
     """A running Ray + Serve with the riskserve gRPC service registered."""
 
     grpc_port: int
+    metrics_port: int = 0
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
@@ -49,12 +52,14 @@ def serve_cluster() -> Iterator[ServeCluster]:
 
     from riskserve.pipelines.app import GRPC_SERVICER_FUNCTIONS
 
+    metrics_port = free_port()
     ray.init(
         address="local",
         num_cpus=16,  # logical: test pipelines are many small replicas, mostly idle
         resources={"riskserve_pool_cpu": 16_000, "riskserve_pool_llm": 4_000},  # milli-CPUs (see pools.py)
         include_dashboard=False,
         log_to_driver=False,
+        _metrics_export_port=metrics_port,
     )
     port = free_port()
     serve.start(
@@ -62,7 +67,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
         grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
     )
     try:
-        yield ServeCluster(grpc_port=port)
+        yield ServeCluster(grpc_port=port, metrics_port=metrics_port)
     finally:
         serve.shutdown()
         ray.shutdown()
