@@ -111,6 +111,23 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _swap(args: argparse.Namespace) -> int:
+    from riskserve.pipelines.swap import swap_model
+
+    result = swap_model(args.pipeline, args.model, args.artifact)
+    where = f"{result.pipeline}/{result.model}"
+    print(f"{where}: {result.old_version} -> {result.new_version} (all replicas in {result.seconds:.1f} s)")
+    return 0
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    from riskserve.pipelines.swap import rollback_model
+
+    result = rollback_model(args.pipeline, args.model)
+    print(f"{result.pipeline}/{result.model}: rolled back {result.old_version} -> {result.new_version}")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     import yaml
 
@@ -166,6 +183,16 @@ def _parser() -> argparse.ArgumentParser:
         handler=_status
     )
     commands.add_parser("down", help="stop the local riskserve").set_defaults(handler=_down)
+
+    swap = commands.add_parser("swap", help="verify an artifact and hot-swap one model to it")
+    swap.add_argument("pipeline")
+    swap.add_argument("model")
+    swap.add_argument("artifact", type=Path)
+    swap.set_defaults(handler=_swap)
+    rollback = commands.add_parser("rollback", help="return a model to the artifact before its last swap")
+    rollback.add_argument("pipeline")
+    rollback.add_argument("model")
+    rollback.set_defaults(handler=_rollback)
 
     export = commands.add_parser("export", help="generate deployment files")
     export_commands = export.add_subparsers(dest="export_command", required=True)

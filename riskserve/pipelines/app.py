@@ -90,11 +90,14 @@ def _stage(cls: type, name: str, spec: PipelineSpec, stage: StageSpec, *args: An
     )
 
 
-def build_application(spec: PipelineSpec, *, draining: bool = False) -> Application:
+def build_application(
+    spec: PipelineSpec, *, draining: bool = False, artifacts: dict[str, str] | None = None
+) -> Application:
     """The Serve application of a validated pipeline.
 
-    ``draining=True`` deploys the same application with the ingress draining (health NOT_SERVING): Serve
-    applies a ``user_config`` change to every replica in place, without restarting anything.
+    ``draining=True`` deploys the same application with the ingress draining (health NOT_SERVING);
+    ``artifacts`` overrides model artifacts (hot swap). Both travel as Serve ``user_config``, which Serve
+    applies to every running replica in place (``reconfigure``) without restarting anything.
     """
     check_pools(spec)  # also refused by `riskserve up`, across all the pipelines it starts together
     data = spec.resolved()
@@ -116,11 +119,12 @@ def build_application(spec: PipelineSpec, *, draining: bool = False) -> Applicat
             # vLLM loads its engine in the constructor; give slow starts room before Serve gives up.
             health_check_timeout_s=60,
         )
-        settings = {"artifact": data["models"][name]["artifact"], **model.settings}
+        artifact = (artifacts or {}).get(name) or data["models"][name]["artifact"]
         columns = None if model.reads_text else matrix_columns
         declared = None if model.reads_text else spec.model_columns(name)
-        args = (name, model.kind, settings, columns, declared, data["tracing"])
-        models[name] = _versioned(deployment, _version(names[name], args)).bind(*args)
+        args = (name, model.kind, dict(model.settings), columns, declared, data["tracing"])
+        versioned = _versioned(deployment, _version(names[name], args))
+        models[name] = versioned.options(user_config={"artifact": str(artifact)}).bind(*args)
     ingress_deployment = _stage(PipelineIngress, names["ingress"], spec, spec.serving.ingress, data)
     ingress: Application = ingress_deployment.options(user_config={"draining": draining}).bind(
         data, features, models

@@ -53,6 +53,8 @@ class LocalState(_Schema):
     http_port: int
     gcs_address: str
     pipelines: list[str]
+    pipeline_files: dict[str, str] = {}
+    """Pipeline name -> its YAML file, for redeploys (swap, drain)."""
     log: str
     started_at: float
     ray_auth_mode: str = "token"
@@ -220,6 +222,7 @@ def down(timeout_s: float = 90.0) -> LocalState:
     if _alive(state.pid):
         os.killpg(state.pid, signal.SIGKILL)
     (state_dir() / "state.json").unlink(missing_ok=True)
+    (state_dir() / "artifacts.json").unlink(missing_ok=True)  # swaps last until down
     return state
 
 
@@ -231,9 +234,11 @@ def _drain(specs: Sequence[PipelineSpec]) -> None:
     from ray import serve
 
     from riskserve.pipelines.app import build_application
+    from riskserve.pipelines.swap import artifact_overrides
 
     for spec in specs:
-        serve.run(build_application(spec, draining=True), name=spec.name, route_prefix=f"/{spec.name}")
+        app = build_application(spec, draining=True, artifacts=artifact_overrides(spec.name))
+        serve.run(app, name=spec.name, route_prefix=f"/{spec.name}")
     time.sleep(DRAIN_S)
 
 
@@ -242,6 +247,7 @@ def _serve_forever(paths: Sequence[Path], grpc_port: int) -> int:
     import ray
 
     specs = [load_pipeline(p) for p in paths]
+    (state_dir() / "artifacts.json").unlink(missing_ok=True)  # a new start serves what the YAML says
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -262,6 +268,7 @@ def _serve_forever(paths: Sequence[Path], grpc_port: int) -> int:
             http_port=http_port,
             gcs_address=ray.get_runtime_context().gcs_address,
             pipelines=[s.name for s in specs],
+            pipeline_files={s.name: str(Path(p).resolve()) for s, p in zip(specs, paths, strict=True)},
             log=str(state_dir() / "riskserve.log"),
             started_at=time.time(),
             ray_auth_mode=os.environ.get("RAY_AUTH_MODE", "token"),

@@ -7,6 +7,7 @@ the model's columns, and answers with scores, labels, the serving version and wh
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -17,7 +18,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from riskserve.platform.errors import ConfigError, ModelUnavailable
+from riskserve.platform.artifacts import open_artifact
+from riskserve.platform.errors import ConfigError, ModelLoadError, ModelUnavailable, RiskServeError
 from riskserve.platform.host import ModelHost
 from riskserve.platform.metrics import ModelMetrics
 from riskserve.platform.tracing import (
@@ -32,6 +34,9 @@ from riskserve.platform.tracing import (
 from riskserve.platform.validation import FeatureMatrix
 
 __all__ = ["InputInfo", "ModelReplica", "ReplicaAnswer", "SharedMatrix"]
+
+logger = logging.getLogger(__name__)
+_GOLDEN_TOLERANCE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -100,10 +105,26 @@ class ReplicaAnswer:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class ModelReplica:
-    """Hosts one model of any backend in a Serve replica (the class Serve deploys, once per model)."""
+@dataclass(eq=False)
+class _Loaded:
+    """One loaded version: its host, the columns it picks from the shared matrix, and calls in flight."""
 
-    # Serve awaits an async constructor; the model loads before the replica reports ready.
+    host: ModelHost[Any]
+    select: np.ndarray | None
+    artifact: str
+    in_flight: int = 0
+
+
+class ModelReplica:
+    """Hosts one model of any backend in a Serve replica (the class Serve deploys, once per model).
+
+    The artifact comes through Serve's ``user_config`` (``{"artifact": PATH}``), so swapping it is a
+    ``reconfigure`` of the running replicas, never a restart: the candidate is loaded and verified beside
+    the serving version, then one reference assignment flips new calls to it; calls in flight finish on
+    the version they started with, which is unloaded once they are done.
+    """
+
+    # Serve awaits an async constructor, then calls reconfigure(user_config) before the replica is ready.
     async def __init__(  # type: ignore[misc]
         self,
         name: str,
@@ -113,32 +134,126 @@ class ModelReplica:
         declared: list[str] | None = None,
         tracing: dict[str, Any] | None = None,
     ) -> None:
-        """Load the model. ``columns``: the shared matrix's; ``declared``: what the pipeline says it reads."""
-        from riskserve.wrappers import backend
-
+        """``columns``: the shared matrix's; ``declared``: what the pipeline says the model reads."""
         configure_tracing(TracingSettings.model_validate(tracing or {}))
-        model_class, settings_class = backend(kind)
-        self._kind = kind
-        self._metrics = ModelMetrics(name, kind)
         self._name = name
-        self._host: ModelHost[Any] = ModelHost(
-            model_class(settings_class.model_validate({"name": name, **settings}))
-        )
-        await self._host.start()
-        inputs = self._host.model.input_names()
-        if declared is not None and declared != inputs:
-            raise ConfigError(
-                f"model '{name}': the pipeline says it reads {declared}, its artifact was trained on {inputs}"
-            )
-        self._select = self._column_selection(columns)
+        self._kind = kind
+        self._settings = {k: v for k, v in settings.items() if k != "artifact"}
+        self._columns = columns
+        self._declared = declared
+        self._metrics = ModelMetrics(name, kind)
+        self._loaded: _Loaded | None = None
+        self._swap_lock = asyncio.Lock()
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._last_swap_error = ""
         self._started_at = time.time()
-        self._metrics.set_version(self._host.model.version)
         self._inputs: OrderedDict[str, InputInfo] = OrderedDict()
         self._calls = 0
         self._cancelled = 0
+        if "artifact" in settings:  # deployed without a user_config: load now
+            await self._activate(str(settings["artifact"]))
 
-    def _column_selection(self, columns: list[str] | None) -> np.ndarray | None:
-        model_inputs = self._host.model.input_names()
+    async def reconfigure(self, config: dict[str, Any]) -> None:
+        """Serve's ``user_config`` hook: serve ``config["artifact"]``.
+
+        The first load fails the replica (nothing to serve). A later swap that fails keeps the serving
+        version and records why (``metadata()["last_swap_error"]``): a version is never half-applied.
+        """
+        artifact = config.get("artifact")
+        if artifact is None or (self._loaded is not None and self._loaded.artifact == str(artifact)):
+            return
+        if self._loaded is None:
+            await self._activate(str(artifact))
+            return
+        try:
+            await self._activate(str(artifact))
+        except RiskServeError as error:
+            self._last_swap_error = str(error)
+            logger.error("model '%s': swap to %s refused, still serving %s: %s", self._name, artifact,
+                         self._loaded.host.model.version, error)  # fmt: skip
+
+    async def _load(self, artifact: str) -> _Loaded:
+        from riskserve.wrappers import backend
+
+        model_class, settings_class = backend(self._kind)
+        settings = settings_class.model_validate({"name": self._name, **self._settings, "artifact": artifact})
+        host: ModelHost[Any] = ModelHost(model_class(settings))
+        await host.start()
+        inputs = host.model.input_names()
+        if self._declared is not None and self._declared != inputs:
+            await host.stop()
+            raise ConfigError(
+                f"model '{self._name}': the pipeline says it reads {self._declared}, "
+                f"the artifact {artifact} was trained on {inputs}"
+            )
+        return _Loaded(host=host, select=self._column_selection(inputs), artifact=artifact)
+
+    def _same_schema(self, candidate: _Loaded) -> None:
+        current = self._loaded
+        if current is None:
+            return
+        for what, old, new in (
+            ("feature columns", current.host.model.input_names(), candidate.host.model.input_names()),
+            ("labels", current.host.model.labels(), candidate.host.model.labels()),
+        ):
+            if old != new:
+                raise ModelLoadError(f"model '{self._name}': the candidate's {what} {new} differ from {old}")
+
+    async def _activate(self, artifact: str) -> None:
+        async with self._swap_lock:
+            loaded = await self._load(artifact)
+            try:
+                self._same_schema(loaded)
+            except ModelLoadError:
+                await loaded.host.stop()
+                raise
+            old, self._loaded = self._loaded, loaded  # the flip: every call from now on takes the new one
+            self._last_swap_error = ""
+            self._metrics.set_version(loaded.host.model.version)
+            if old is not None:
+                task = asyncio.get_running_loop().create_task(self._retire(old))
+                self._retiring.add(task)
+                task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, old: _Loaded, *, patience_s: float = 120.0) -> None:
+        """Unload a replaced version once the calls that started on it are done."""
+        deadline = time.monotonic() + patience_s
+        while old.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await old.host.stop()
+
+    async def verify_candidate(self, artifact: str) -> dict[str, Any]:
+        """Load ``artifact`` beside the serving version and check it, without serving it.
+
+        Checks: manifest checksums and the backend's own load checks (both in ``load``); the same feature
+        columns and labels as the serving version; on the artifact's golden rows, outputs that are finite,
+        in [0, 1], not constant, and equal to the outputs stored with the artifact.
+
+        Raises:
+            ModelLoadError: the candidate fails a check (the message says which); nothing changes.
+        """
+        loaded = await self._load(artifact)
+        try:
+            self._same_schema(loaded)
+            kind = (
+                str(self._settings.get("inner_kind", "sklearn"))
+                if self._kind == "fault_injection"
+                else self._kind
+            )
+            rows = await _golden_check(loaded.host, artifact, kind)
+            return {"version": loaded.host.model.version, "golden_rows": rows, "artifact": artifact}
+        finally:
+            await loaded.host.stop()
+
+    @property
+    def _current(self) -> _Loaded:
+        loaded = self._loaded
+        if loaded is None:
+            raise ModelUnavailable(f"model '{self._name}' has no loaded version")
+        return loaded
+
+    def _column_selection(self, model_inputs: list[str]) -> np.ndarray | None:
+        columns = self._columns
         if columns is None or model_inputs == ["text"]:
             return None
         missing = [c for c in model_inputs if c not in columns]
@@ -166,14 +281,19 @@ class ModelReplica:
     async def _predict_features(self, shared: SharedMatrix) -> ReplicaAnswer:
         started = time.perf_counter()
         self._calls += 1
-        matrix: FeatureMatrix = await shared.ref
-        info = InputInfo.of(matrix, copied_for_columns=self._select is not None)
-        self._inputs[shared.batch_id] = info
-        while len(self._inputs) > 256:
-            self._inputs.popitem(last=False)
-        if self._select is not None:
-            matrix = np.ascontiguousarray(matrix[:, self._select])
-        output = await self._counting_cancellation(self._host.predict(matrix, shared.rows))
+        loaded = self._current  # read once: a swap during this call does not change what it runs on
+        loaded.in_flight += 1  # before any await, so the version is not retired under this call
+        try:
+            matrix: FeatureMatrix = await shared.ref
+            info = InputInfo.of(matrix, copied_for_columns=loaded.select is not None)
+            self._inputs[shared.batch_id] = info
+            while len(self._inputs) > 256:
+                self._inputs.popitem(last=False)
+            if loaded.select is not None:
+                matrix = np.ascontiguousarray(matrix[:, loaded.select])
+            output = await self._counting_cancellation(loaded, matrix, shared.rows)
+        finally:
+            loaded.in_flight -= 1
         return ReplicaAnswer(
             model=self._name,
             version=output.version,
@@ -193,7 +313,12 @@ class ModelReplica:
     async def _predict_texts(self, texts: list[str]) -> ReplicaAnswer:
         started = time.perf_counter()
         self._calls += 1
-        output = await self._counting_cancellation(self._host.predict(texts, len(texts)))
+        loaded = self._current
+        loaded.in_flight += 1
+        try:
+            output = await self._counting_cancellation(loaded, texts, len(texts))
+        finally:
+            loaded.in_flight -= 1
         return ReplicaAnswer(
             model=self._name,
             version=output.version,
@@ -203,13 +328,13 @@ class ModelReplica:
             extra=output.extra,
         )
 
-    async def _counting_cancellation(self, prediction: Any) -> Any:
-        """Await a prediction with the model's metrics; a caller that gave up (deadline, timeout) cancels it
-        here, and we count it."""
+    async def _counting_cancellation(self, loaded: _Loaded, batch: Any, rows: int) -> Any:
+        """Predict on one loaded version with the model's metrics; a caller that gave up (deadline, timeout)
+        cancels it here, and we count it."""
         started = time.perf_counter()
         with self._metrics.in_flight():
             try:
-                output = await prediction
+                output = await loaded.host.predict(batch, rows)
             except asyncio.CancelledError:
                 self._cancelled += 1
                 self._metrics.error("CANCELLED", latency_s=time.perf_counter() - started)
@@ -223,7 +348,9 @@ class ModelReplica:
     def metadata(self) -> dict[str, Any]:
         """The model's metadata plus which process serves it (used to prove nothing restarted)."""
         return {
-            **self._host.model.metadata().model_dump(mode="json"),
+            **self._current.host.model.metadata().model_dump(mode="json"),
+            "artifact": self._current.artifact,
+            "last_swap_error": self._last_swap_error,
             "pid": os.getpid(),
             "actor_id": ray.get_runtime_context().get_actor_id(),
             "replica_started_at": self._started_at,
@@ -237,10 +364,32 @@ class ModelReplica:
 
     def check_health(self) -> None:
         """Serve's health probe: an unready model makes the replica unhealthy so Serve replaces it."""
-        if not self._host.model.ready:
+        if not self._current.host.model.ready:
             raise ModelUnavailable(f"model '{self._name}' is not ready")
 
     async def __del__(self) -> None:
         """Serve awaits this at replica shutdown: unload the model (vLLM frees its engine)."""
-        await asyncio.shield(self._host.stop())
+        if self._loaded is not None:
+            await asyncio.shield(self._loaded.host.stop())
         await asyncio.to_thread(shutdown_tracing)
+
+
+async def _golden_check(host: ModelHost[Any], artifact: str, kind: str) -> int:
+    """Score the artifact's golden rows with the candidate: finite, in [0, 1], not constant, as stored.
+
+    Returns the number of golden rows (0 for artifacts without a golden set, such as the LLM's).
+    """
+    opened = open_artifact(artifact, kind=kind)
+    golden_files = opened.files_with_role("golden")
+    if not golden_files:
+        return 0
+    golden = opened.read_json(golden_files[0])
+    x = np.ascontiguousarray(golden["x"], dtype=np.float32)
+    expected = np.asarray(golden["expected"], dtype=np.float64)
+    output = await host.predict(x, len(x))  # the host refuses non-finite or out-of-range scores
+    if len(x) > 1 and float(np.std(output.scores)) < 1e-9:
+        raise ModelLoadError(f"{artifact}: the candidate gives one constant score on {len(x)} golden rows")
+    diff = float(np.max(np.abs(output.scores - expected)))
+    if not diff <= _GOLDEN_TOLERANCE:
+        raise ModelLoadError(f"{artifact}: golden outputs differ from the stored ones by {diff:.3g}")
+    return len(x)

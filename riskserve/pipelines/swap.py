@@ -1,0 +1,192 @@
+"""Hot swap of one model's artifact in a running pipeline, and rollback, with nothing else restarted.
+
+``swap_model`` verifies the candidate inside a replica of the model (checksums, the backend's load checks,
+same columns and labels, golden rows finite, in [0, 1], not constant and equal to the stored outputs),
+then redeploys the pipeline with the new artifact as the model's Serve ``user_config``: Serve calls
+``reconfigure`` on the running replicas, which flip to the candidate atomically; calls in flight finish on
+the old version. Only one swap of a model runs at a time; a second one gets ``Conflict`` (ABORTED).
+Each pipeline's artifact history is kept beside the local state, so ``rollback_model`` returns to the
+previous one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from riskserve.pipelines.local import LOOPBACK_RAY_ENV, LocalState, read_state, state_dir
+from riskserve.pipelines.spec import PipelineSpec, load_pipeline
+from riskserve.platform.errors import Conflict, ModelLoadError, NotFound, RiskServeError
+
+__all__ = ["SwapResult", "artifact_overrides", "rollback", "rollback_model", "swap", "swap_model"]
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    """What a swap did: the versions before and after, and how long until every replica served the new one."""
+
+    pipeline: str
+    model: str
+    old_version: str
+    new_version: str
+    artifact: str
+    seconds: float
+
+
+def _history_path() -> Path:
+    return state_dir() / "artifacts.json"
+
+
+def _history() -> dict[str, dict[str, list[str]]]:
+    try:
+        data: dict[str, dict[str, list[str]]] = json.loads(_history_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data
+
+
+def _save_history(history: dict[str, dict[str, list[str]]]) -> None:
+    path = _history_path()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(history, indent=2))
+    os.replace(tmp, path)  # readers see the old or the new history, never half of one
+
+
+def artifact_overrides(pipeline: str) -> dict[str, str]:
+    """The artifact each swapped model of ``pipeline`` serves now (models never swapped are absent)."""
+    return {model: paths[-1] for model, paths in _history().get(pipeline, {}).items() if paths}
+
+
+@contextlib.contextmanager
+def _exclusive(pipeline: str, model: str) -> Iterator[None]:
+    directory = state_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / f"swap-{pipeline}-{model}.lock").open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Conflict(
+                f"a swap of {pipeline}/{model} is already running; try again when it ends"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _connected(state: LocalState) -> Iterator[None]:
+    for key, value in {**LOOPBACK_RAY_ENV, "RAY_AUTH_MODE": state.ray_auth_mode}.items():
+        os.environ.setdefault(key, value)
+    import ray
+
+    already = ray.is_initialized()
+    if not already:
+        ray.init(address=state.gcs_address, log_to_driver=False)
+    try:
+        yield
+    finally:
+        if not already:
+            ray.shutdown()
+
+
+def _cause(error: BaseException) -> BaseException:
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
+def _serving(handle: Any, probes: int) -> list[dict[str, Any]]:
+    return [handle.metadata.remote().result() for _ in range(probes)]
+
+
+def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
+    """Verify ``artifact`` and make it the serving version of ``model`` (Ray must be connected).
+
+    Raises:
+        NotFound: no such model.
+        Conflict: another swap of this model is running.
+        ModelLoadError: the candidate failed a check; the old version keeps serving.
+    """
+    from ray import serve
+
+    from riskserve.pipelines.app import build_application
+
+    pipeline = spec.name
+    if model not in spec.models:
+        raise NotFound(f"pipeline '{pipeline}' has no model '{model}' (models: {', '.join(spec.models)})")
+    path = str(Path(artifact).resolve())
+    with _exclusive(pipeline, model):
+        handle = serve.get_deployment_handle(f"model-{model}", app_name=pipeline)
+        old_version = str(handle.metadata.remote().result()["version"])
+        try:
+            candidate = handle.verify_candidate.remote(path).result()
+        except Exception as error:
+            cause = _cause(error)
+            if isinstance(cause, RiskServeError):
+                raise ModelLoadError(f"candidate refused, {old_version} keeps serving: {cause}") from error
+            raise
+        history = _history()
+        models = history.setdefault(pipeline, {})
+        previous = models.get(model) or [str(spec.artifact_path(model))]
+        started = time.monotonic()
+        overrides = {**artifact_overrides(pipeline), model: path}
+        serve.run(build_application(spec, artifacts=overrides), name=pipeline, route_prefix=f"/{pipeline}")
+        answers = _serving(handle, probes=3 * spec.models[model].replicas)
+        stale = [a for a in answers if a["version"] != candidate["version"]]
+        if stale:  # a replica refused the flip: put the previous artifact back everywhere
+            back = {**overrides, model: previous[-1]}
+            serve.run(build_application(spec, artifacts=back), name=pipeline, route_prefix=f"/{pipeline}")
+            raise ModelLoadError(f"a replica refused the swap ({stale[0]['last_swap_error']}); rolled back")
+        models[model] = [*previous, path]
+        _save_history(history)
+        return SwapResult(
+            pipeline, model, old_version, str(candidate["version"]), path, time.monotonic() - started
+        )
+
+
+def rollback(spec: PipelineSpec, model: str) -> SwapResult:
+    """Serve the artifact ``model`` served before its last swap (verified again like any candidate).
+
+    Raises:
+        NotFound: the model was never swapped.
+    """
+    history = _history().get(spec.name, {}).get(model, [])
+    if len(history) < 2:
+        raise NotFound(f"{spec.name}/{model} has no earlier version to roll back to")
+    result = swap(spec, model, history[-2])
+    full = _history()
+    full[spec.name][model] = history[:-1]  # the swap appended history[-2]; drop it and the version left
+    _save_history(full)
+    return result
+
+
+def _local(pipeline: str, state: LocalState | None) -> tuple[LocalState, PipelineSpec]:
+    state = state or read_state()
+    if state is None:
+        raise NotFound("no local riskserve is running")
+    if pipeline not in state.pipeline_files:
+        raise NotFound(f"no pipeline '{pipeline}' is running (running: {', '.join(state.pipeline_files)})")
+    return state, load_pipeline(state.pipeline_files[pipeline])
+
+
+def swap_model(
+    pipeline: str, model: str, artifact: Path | str, *, state: LocalState | None = None
+) -> SwapResult:
+    """:func:`swap` on the local riskserve (``riskserve swap``)."""
+    state, spec = _local(pipeline, state)
+    with _connected(state):
+        return swap(spec, model, artifact)
+
+
+def rollback_model(pipeline: str, model: str, *, state: LocalState | None = None) -> SwapResult:
+    """:func:`rollback` on the local riskserve (``riskserve rollback``)."""
+    state, spec = _local(pipeline, state)
+    with _connected(state):
+        return rollback(spec, model)
