@@ -48,6 +48,9 @@ def _up(args: argparse.Namespace) -> int:
     print(
         f"riskserve is up: {', '.join(state.pipelines)} on {state.target} (gRPC, metadata application=NAME)"
     )
+    print(
+        f"  metrics: Prometheus scrapes http://127.0.0.1:{state.metrics_port}/metrics (deploy/prometheus.yml)"
+    )
     print(f"  Ray GCS {state.gcs_address}; log {state.log}; stop with `riskserve down`")
     return 0
 

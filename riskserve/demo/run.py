@@ -70,6 +70,27 @@ def _row(response: pb.DecideResponse, truth: str, latency_ms: float) -> str:
     )
 
 
+def _fraud_version(client: RiskClient, row: dict[str, float | str]) -> str:
+    response = client.decide_request(_request(row, "swap-probe"))
+    return next(m.version for m in response.models if m.model == "fraud")
+
+
+def _hot_swap(client: RiskClient, models: Path, pipeline: str, row: dict[str, float | str]) -> None:
+    """Retrain the fraud model with another seed, swap it in, then roll back; nothing else restarts."""
+    from riskserve.pipelines.swap import rollback_model, swap_model
+
+    candidates = models / "candidates"
+    (candidate,) = build_demo_models(candidates, seed=7, only=["fraud"], progress=False)
+    print(f"\nhot swap: fraud serves {_fraud_version(client, row)}; candidate {candidate.version} (seed 7, "
+          f"held-out AUC {candidate.value:.4f})")  # fmt: skip
+    swapped = swap_model(pipeline, "fraud", candidate.path)
+    print(f"  swap     {swapped.old_version} -> {swapped.new_version} in {swapped.seconds:.1f} s; "
+          f"a decision now uses {_fraud_version(client, row)}")  # fmt: skip
+    back = rollback_model(pipeline, "fraud")
+    now = _fraud_version(client, row)
+    print(f"  rollback {back.old_version} -> {back.new_version}; a decision now uses {now}")
+
+
 def run_demo(*, models: Path, pipeline: Path, grpc_port: int) -> int:
     """Run the demo end to end; returns the exit code."""
     started = time.perf_counter()
@@ -119,6 +140,7 @@ def run_demo(*, models: Path, pipeline: Path, grpc_port: int) -> int:
                 latencies.append((time.perf_counter() - t1) * 1e3)
             ordered = sorted(latencies)
             p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+            _hot_swap(client, models, state.pipelines[0], tx.row(0))
             p50 = statistics.median(ordered)
             print(
                 f"\n5/5 Decide latency, {len(ordered)} sequential calls: p50 {p50:.1f} ms, p99 {p99:.1f} ms"

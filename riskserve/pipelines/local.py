@@ -51,6 +51,8 @@ class LocalState(_Schema):
     pid: int
     grpc_port: int
     http_port: int
+    metrics_port: int = 0
+    """Ray's Prometheus endpoint on this node: ``http://127.0.0.1:PORT/metrics``."""
     gcs_address: str
     pipelines: list[str]
     pipeline_files: dict[str, str] = {}
@@ -251,12 +253,14 @@ def _serve_forever(paths: Sequence[Path], grpc_port: int) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    metrics_port = _free_port()
     ray.init(
         address="local",
         num_cpus=_cpus_needed(specs),
         resources=pool_resources(specs),
         include_dashboard=False,
         log_to_driver=False,
+        _metrics_export_port=metrics_port,
     )
     http_port = _free_port()
     try:
@@ -266,6 +270,7 @@ def _serve_forever(paths: Sequence[Path], grpc_port: int) -> int:
             pid=os.getpid(),
             grpc_port=grpc_port,
             http_port=http_port,
+            metrics_port=metrics_port,
             gcs_address=ray.get_runtime_context().gcs_address,
             pipelines=[s.name for s in specs],
             pipeline_files={s.name: str(Path(p).resolve()) for s, p in zip(specs, paths, strict=True)},

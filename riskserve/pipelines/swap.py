@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -89,7 +90,8 @@ def _connected(state: LocalState) -> Iterator[None]:
 
     already = ray.is_initialized()
     if not already:
-        ray.init(address=state.gcs_address, log_to_driver=False)
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # a CLI prints results, not Serve's chatter
+        ray.init(address=state.gcs_address, log_to_driver=False, logging_level=logging.WARNING)
     try:
         yield
     finally:
