@@ -1,0 +1,447 @@
+"""The durable, append-only feedback log that online learning reads: SQLite in WAL mode.
+
+A pipeline's ``Feedback(request_id, label, feedback_id)`` RPC records the true outcome of a past decision.
+The decision's features are stored here when it is made (:meth:`FeedbackLog.record_decision`, kept for
+``retention_s``), so a label can be joined to exactly what the model saw. A learner reads the labels it
+has not applied yet (:meth:`FeedbackLog.pending`), runs ``partial_fit`` on them as one mini-batch and
+moves its cursor (:meth:`FeedbackLog.mark_applied`).
+
+Durability. The connection runs ``journal_mode=WAL`` with ``synchronous=FULL``: every COMMIT fsyncs the
+WAL before it returns, so an acknowledged label survives ``kill -9`` *and* power loss (``NORMAL`` would
+survive a process crash but could lose the last commits on power loss). Both pragmas are read back after
+they are set; a file system that refuses WAL is a :class:`ConfigError`, not a silent downgrade.
+:meth:`FeedbackLog.record_feedback` returns only after its COMMIT, so "acknowledged" implies "durable".
+``feedback_id`` is UNIQUE: a retried call finds the committed row and answers ``duplicate=True``.
+
+Exactly once. Each model has one ``cursor(model, last_seq, version)`` row, a high-water mark over the
+``feedback.seq`` order, rather than an ``applied(model, seq)`` row per label. The claim to prove is
+"every label with ``seq <= last_seq`` is in model ``version`` exactly once and no other label is", and
+it holds because of the order the learner follows:
+
+1. ``batch = pending(model)`` reads the labels ``(after_seq, last_seq]`` in seq order;
+2. ``partial_fit`` runs on a copy of the model at ``cursor.version``, giving a new state;
+3. the new state is saved durably as an artifact named by its content version;
+4. ``mark_applied(model, batch.last_seq, new_version, expected_last_seq=batch.after_seq)`` moves
+   ``last_seq`` *and* ``version`` in ONE transaction.
+
+A crash before step 4 commits leaves the cursor at the old (last_seq, version): the new state is an
+orphan that nothing refers to, and the restarted learner loads ``cursor.version`` and replays the same
+labels onto it, so they end up applied once in the lineage that survives. A crash after the commit
+leaves the new pair. There is no moment at which the version and the high-water mark disagree, which
+is what a separate "mark applied" step after publishing would allow. Serving should publish a learned
+version only after step 4 (or treat versions newer than the cursor as provisional). The mark is
+compare-and-set (``expected_last_seq``) so two learners, or a stale retry, cannot both advance it, and
+it refuses to move backwards or past the last recorded label.
+
+Retention (:meth:`FeedbackLog.purge_expired`). A decision older than ``retention_s`` can no longer
+receive feedback (:class:`NotFound`). It is deleted with its feedback rows once every label on it has
+been applied by every *known* model — the models with a cursor row (:meth:`FeedbackLog.register_model`
+or a first :meth:`FeedbackLog.mark_applied`); with no known model nothing with feedback is deleted.
+Feedback rows are never deleted alone: while the decision exists the ``feedback_id`` row exists, so a
+retry can never be counted twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import operator
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from riskserve.platform.errors import ConfigError, Conflict, InvalidInput, NotFound
+
+__all__ = ["SCHEMA_VERSION", "Batch", "Cursor", "FeedbackAck", "FeedbackLog"]
+
+SCHEMA_VERSION: Final = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS decisions (
+    request_id    TEXT PRIMARY KEY,
+    pipeline      TEXT NOT NULL,
+    model_version TEXT NOT NULL,
+    features      BLOB NOT NULL,
+    columns       TEXT NOT NULL,
+    decided_at    REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS decisions_decided_at ON decisions (decided_at);
+CREATE TABLE IF NOT EXISTS feedback (
+    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    feedback_id TEXT NOT NULL UNIQUE,
+    request_id  TEXT NOT NULL REFERENCES decisions (request_id),
+    label       INTEGER NOT NULL CHECK (label IN (0, 1)),
+    source      TEXT NOT NULL,
+    received_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS feedback_request_id ON feedback (request_id);
+CREATE TABLE IF NOT EXISTS cursor (
+    model      TEXT PRIMARY KEY,
+    last_seq   INTEGER NOT NULL CHECK (last_seq >= 0),
+    version    TEXT,
+    updated_at REAL NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class FeedbackAck:
+    """The answer to one feedback call; it exists only once the label is committed (durable)."""
+
+    accepted: bool
+    """The label is in the log (true for a first call and for a retry)."""
+    duplicate: bool
+    """This ``feedback_id`` was already recorded; the label is applied once, not again."""
+    seq: int
+    """Position of the label in the log's total order."""
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A model's high-water mark: labels ``seq <= last_seq`` are in ``version``, no others are."""
+
+    model: str
+    last_seq: int
+    """0 for a model that has applied nothing."""
+    version: str | None
+    """Model version holding exactly those labels (``None`` before the first mark)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """Labels a model has not applied yet, joined with the features of their decisions, in seq order."""
+
+    after_seq: int
+    """The cursor the batch was read after; pass it to ``mark_applied(expected_last_seq=...)``."""
+    seqs: NDArray[np.int64]
+    x: NDArray[np.float32]
+    """``(n, d)`` float32, C-contiguous: what the model saw at decision time."""
+    y: NDArray[np.int64]
+    """``(n,)`` labels, 0 or 1."""
+    feedback_ids: tuple[str, ...]
+    columns: tuple[str, ...]
+    """Feature names of ``x``; every row of one batch has the same columns."""
+
+    def __len__(self) -> int:
+        return int(self.seqs.shape[0])
+
+    @property
+    def last_seq(self) -> int:
+        """The seq to mark applied after this batch (``after_seq`` when the batch is empty)."""
+        return int(self.seqs[-1]) if len(self) else self.after_seq
+
+
+class FeedbackLog:
+    """One SQLite file of decisions, labels and per-model cursors; safe to share between threads.
+
+    Several processes may open the same file (WAL allows concurrent readers and one writer; writers wait
+    up to ``busy_timeout_s``). Every write is one ``BEGIN IMMEDIATE`` ... ``COMMIT`` transaction.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        retention_s: float = 7 * 24 * 3600,
+        clock: Callable[[], float] = time.time,
+        busy_timeout_s: float = 5.0,
+    ) -> None:
+        if not (math.isfinite(retention_s) and retention_s > 0):
+            raise InvalidInput(f"must be positive seconds, got {retention_s}", field="retention_s")
+        self.path = Path(path)
+        self.retention_s = float(retention_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        # isolation_level=None: no implicit transactions; each write below opens its own explicitly.
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            self._configure(busy_timeout_s)
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _configure(self, busy_timeout_s: float) -> None:
+        db = self._db
+        db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+        mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise ConfigError(f"{self.path}: SQLite refused WAL mode (got '{mode}'); use a local file system")
+        db.execute("PRAGMA synchronous = FULL")
+        db.execute("PRAGMA foreign_keys = ON")
+        if self.pragma("synchronous") != 2:  # 2 == FULL: fsync the WAL on every commit
+            raise ConfigError(f"{self.path}: SQLite did not accept synchronous=FULL")
+        with self._write() as cur:  # schema and its version in one transaction: racing openers agree
+            for statement in filter(str.strip, _SCHEMA.split(";")):
+                cur.execute(statement)
+            rows = cur.execute("SELECT version FROM schema_version").fetchall()
+            if not rows:
+                cur.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+            elif rows != [(SCHEMA_VERSION,)]:
+                raise ConfigError(
+                    f"{self.path}: schema version {[r[0] for r in rows]}, this code reads {SCHEMA_VERSION}"
+                )
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def pragma(self, name: str) -> Any:
+        """Read one PRAGMA (``journal_mode``, ``synchronous``, ...) as SQLite reports it now."""
+        if not name.isidentifier():
+            raise InvalidInput(f"not a pragma name: {name!r}", field="name")
+        with self._lock:
+            return self._db.execute(f"PRAGMA {name}").fetchone()[0]
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Cursor]:
+        """One write transaction: COMMIT (fsynced) on success, ROLLBACK on any exception."""
+        with self._lock:
+            cur = self._db.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                yield cur
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            cur.execute("COMMIT")
+
+    def close(self) -> None:
+        """Close the connection (the last one to close checkpoints the WAL into the main file)."""
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> FeedbackLog:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- decisions and feedback -------------------------------------------------------------------
+
+    def record_decision(
+        self,
+        request_id: str,
+        pipeline: str,
+        model_version: str,
+        features: NDArray[np.float32],
+        columns: Sequence[str],
+    ) -> None:
+        """Keep what the model saw for one decision, so later feedback can be joined to it.
+
+        Idempotent on ``request_id``: recording the same decision again is a no-op.
+
+        Raises:
+            InvalidInput: empty ids, features that are not a 1-D float32 row matching ``columns``.
+            Conflict: ``request_id`` was already recorded with a different payload.
+        """
+        _require_text(request_id, "request_id")
+        _require_text(pipeline, "pipeline")
+        _require_text(model_version, "model_version")
+        if not isinstance(features, np.ndarray) or features.dtype != np.float32 or features.ndim != 1:
+            raise InvalidInput("must be a 1-D float32 numpy array", field="features")
+        names = list(columns)
+        if len(names) != features.shape[0] or len(set(names)) != len(names):
+            raise InvalidInput(
+                f"{features.shape[0]} features need as many distinct column names, got {names}",
+                field="columns",
+            )
+        for name in names:
+            _require_text(name, "columns")
+        blob = np.ascontiguousarray(features, dtype="<f4").tobytes()
+        columns_json = json.dumps(names)
+        with self._write() as cur:
+            cur.execute(
+                "INSERT OR IGNORE INTO decisions VALUES (?, ?, ?, ?, ?, ?)",
+                (request_id, pipeline, model_version, blob, columns_json, self._clock()),
+            )
+            if cur.rowcount == 0:
+                row = cur.execute(
+                    "SELECT pipeline, model_version, features, columns FROM decisions WHERE request_id = ?",
+                    (request_id,),
+                ).fetchone()
+                if tuple(row) != (pipeline, model_version, blob, columns_json):
+                    raise Conflict(f"decision '{request_id}' was already recorded with a different payload")
+
+    def record_feedback(self, request_id: str, label: int, feedback_id: str, source: str = "") -> FeedbackAck:
+        """Append the true outcome of a decision; return only once it is committed (durable).
+
+        A retry with the same ``feedback_id`` and the same (``request_id``, ``label``) answers
+        ``duplicate=True`` with the original seq; the label stays in the log once. ``source`` is
+        provenance, not payload, and is not compared. Several labels (different ``feedback_id``) for one
+        decision are all kept: the log is append-only, corrections are new entries.
+
+        Raises:
+            InvalidInput: ``label`` not 0 or 1, empty ids (the field is named).
+            Conflict: ``feedback_id`` was already used for a different request or label.
+            NotFound: no decision ``request_id`` was recorded, or it is past retention.
+        """
+        _require_text(request_id, "request_id")
+        _require_text(feedback_id, "feedback_id")
+        if not isinstance(source, str):
+            raise InvalidInput("must be a string", field="source")
+        try:
+            value = operator.index(label)
+        except TypeError:
+            raise InvalidInput(f"must be 0 or 1, got {label!r}", field="label") from None
+        if value not in (0, 1):
+            raise InvalidInput(f"must be 0 or 1, got {label!r}", field="label")
+        now = self._clock()
+        with self._write() as cur:
+            seen = cur.execute(
+                "SELECT seq, request_id, label FROM feedback WHERE feedback_id = ?", (feedback_id,)
+            ).fetchone()
+            if seen is not None:
+                if (seen[1], seen[2]) != (request_id, value):
+                    raise Conflict(
+                        f"feedback '{feedback_id}' was recorded for request '{seen[1]}' with label {seen[2]}"
+                    )
+                return FeedbackAck(accepted=True, duplicate=True, seq=int(seen[0]))
+            decided = cur.execute(
+                "SELECT decided_at FROM decisions WHERE request_id = ?", (request_id,)
+            ).fetchone()
+            if decided is None or decided[0] < now - self.retention_s:
+                raise NotFound(f"no decision '{request_id}' is kept (never recorded or past retention)")
+            cur.execute(
+                "INSERT INTO feedback (feedback_id, request_id, label, source, received_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (feedback_id, request_id, value, source, now),
+            )
+            seq = cur.lastrowid
+        assert seq is not None
+        return FeedbackAck(accepted=True, duplicate=False, seq=int(seq))
+
+    # -- learners ---------------------------------------------------------------------------------
+
+    def cursor(self, model: str) -> Cursor:
+        """Where ``model`` stands: the last applied seq and the version that holds those labels."""
+        _require_text(model, "model")
+        with self._lock:
+            row = self._db.execute(
+                "SELECT last_seq, version FROM cursor WHERE model = ?", (model,)
+            ).fetchone()
+        return Cursor(model, 0, None) if row is None else Cursor(model, int(row[0]), row[1])
+
+    def register_model(self, model: str) -> Cursor:
+        """Make ``model`` known (cursor at 0 if new) so purging keeps the labels it has not applied."""
+        _require_text(model, "model")
+        with self._write() as cur:
+            cur.execute(
+                "INSERT OR IGNORE INTO cursor (model, last_seq, version, updated_at) VALUES (?, 0, NULL, ?)",
+                (model, self._clock()),
+            )
+        return self.cursor(model)
+
+    def pending(self, model: str, limit: int = 256) -> Batch:
+        """Up to ``limit`` labels after ``model``'s cursor with their decision features, in seq order.
+
+        A batch never mixes feature layouts: it stops before the first label whose decision has other
+        columns than the first one, and the next batch starts there.
+        """
+        _require_text(model, "model")
+        if not isinstance(limit, int) or limit < 1:
+            raise InvalidInput(f"must be a positive integer, got {limit!r}", field="limit")
+        with self._lock:
+            # One read transaction, so the cursor and the labels come from the same snapshot.
+            self._db.execute("BEGIN")
+            try:
+                row = self._db.execute("SELECT last_seq FROM cursor WHERE model = ?", (model,)).fetchone()
+                after = 0 if row is None else int(row[0])
+                rows = self._db.execute(
+                    "SELECT f.seq, f.feedback_id, f.label, d.features, d.columns FROM feedback AS f"
+                    " JOIN decisions AS d ON d.request_id = f.request_id"
+                    " WHERE f.seq > ? ORDER BY f.seq LIMIT ?",
+                    (after, limit),
+                ).fetchall()
+            finally:
+                self._db.execute("COMMIT")
+        if not rows:
+            return Batch(
+                after, np.empty(0, np.int64), np.empty((0, 0), np.float32), np.empty(0, np.int64), (), ()
+            )
+        layout = rows[0][4]
+        rows = list(itertools.takewhile(lambda r: r[4] == layout, rows))
+        x = np.empty((len(rows), len(json.loads(layout))), dtype=np.float32)
+        for i, r in enumerate(rows):
+            x[i] = np.frombuffer(r[3], dtype="<f4")
+        return Batch(
+            after_seq=after,
+            seqs=np.array([r[0] for r in rows], dtype=np.int64),
+            x=x,
+            y=np.array([r[2] for r in rows], dtype=np.int64),
+            feedback_ids=tuple(r[1] for r in rows),
+            columns=tuple(json.loads(layout)),
+        )
+
+    def mark_applied(
+        self, model: str, last_seq: int, version: str, *, expected_last_seq: int | None = None
+    ) -> Cursor:
+        """Record that ``version`` holds every label up to ``last_seq``: cursor and version in ONE commit.
+
+        Repeating the current (``last_seq``, ``version``) is a no-op, so a retried mark is harmless.
+        Pass ``expected_last_seq=batch.after_seq`` to prove no label was skipped: the mark then applies
+        only if the cursor is still where the batch was read.
+
+        Raises:
+            Conflict: ``last_seq`` is behind the cursor, equal with another version, past the last
+                recorded label, or the cursor is not at ``expected_last_seq``.
+        """
+        _require_text(model, "model")
+        _require_text(version, "version")
+        if not isinstance(last_seq, int) or last_seq < 1:
+            raise InvalidInput(f"must be a positive integer, got {last_seq!r}", field="last_seq")
+        with self._write() as cur:
+            row = cur.execute("SELECT last_seq, version FROM cursor WHERE model = ?", (model,)).fetchone()
+            current, current_version = (0, None) if row is None else (int(row[0]), row[1])
+            if last_seq == current and version == current_version:
+                return Cursor(model, current, current_version)
+            if expected_last_seq is not None and expected_last_seq != current:
+                raise Conflict(
+                    f"model '{model}' cursor is at {current}, not {expected_last_seq}: "
+                    "another learner moved it"
+                )
+            if last_seq <= current:
+                raise Conflict(f"model '{model}' cursor is at {current}; it cannot move back to {last_seq}")
+            exists = cur.execute("SELECT 1 FROM feedback WHERE seq = ?", (last_seq,)).fetchone()
+            if exists is None:
+                raise Conflict(f"no label has seq {last_seq}; a cursor cannot move past the recorded labels")
+            cur.execute(
+                "INSERT INTO cursor (model, last_seq, version, updated_at) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (model) DO UPDATE SET"
+                " last_seq = excluded.last_seq, version = excluded.version, updated_at = excluded.updated_at",
+                (model, last_seq, version, self._clock()),
+            )
+        return Cursor(model, last_seq, version)
+
+    def purge_expired(self) -> int:
+        """Delete decisions past retention whose labels every known model has applied; return how many.
+
+        A decision with a label above the lowest cursor is kept (its features are still needed), and
+        with no known model every decision with feedback is kept. Its feedback rows go with it.
+        """
+        cutoff = self._clock() - self.retention_s
+        with self._write() as cur:
+            low = cur.execute("SELECT MIN(last_seq) FROM cursor").fetchone()[0]
+            floor = 0 if low is None else int(low)
+            doomed = (
+                "SELECT d.request_id FROM decisions AS d WHERE d.decided_at < ? AND NOT EXISTS"
+                " (SELECT 1 FROM feedback AS f WHERE f.request_id = d.request_id AND f.seq > ?)"
+            )
+            cur.execute(f"DELETE FROM feedback WHERE request_id IN ({doomed})", (cutoff, floor))
+            cur.execute(f"DELETE FROM decisions WHERE request_id IN ({doomed})", (cutoff, floor))
+            return int(cur.rowcount)
+
+
+def _require_text(value: object, field: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(f"must be a non-empty string, got {value!r}", field=field)
