@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import ray
+from numpy.typing import NDArray
 
 from riskserve.platform.artifacts import open_artifact
 from riskserve.platform.errors import ConfigError, ModelLoadError, ModelUnavailable, RiskServeError
@@ -179,6 +180,13 @@ class ModelReplica:
         settings = settings_class.model_validate({"name": self._name, **self._settings, "artifact": artifact})
         host: ModelHost[Any] = ModelHost(model_class(settings))
         await host.start()
+        golden = (
+            None
+            if self._declared is None
+            else await asyncio.to_thread(_golden_rows, artifact, self._artifact_kind)
+        )
+        if golden is not None:  # warm up (thread pools, first-call costs) before any real request waits on it
+            await host.predict(golden[0][:1], 1)
         inputs = host.model.input_names()
         if self._declared is not None and self._declared != inputs:
             await host.stop()
@@ -244,6 +252,13 @@ class ModelReplica:
             return {"version": loaded.host.model.version, "golden_rows": rows, "artifact": artifact}
         finally:
             await loaded.host.stop()
+
+    @property
+    def _artifact_kind(self) -> str:
+        """The kind written in the artifact's manifest (a fault-injecting wrapper serves another kind's)."""
+        if self._kind == "fault_injection":
+            return str(self._settings.get("inner_kind", "sklearn"))
+        return self._kind
 
     @property
     def _current(self) -> _Loaded:
@@ -374,18 +389,26 @@ class ModelReplica:
         await asyncio.to_thread(shutdown_tracing)
 
 
+def _golden_rows(artifact: str, kind: str) -> tuple[NDArray[np.float32], NDArray[np.float64]] | None:
+    """The artifact's golden rows and their stored outputs, or ``None`` (the LLM's artifact has none)."""
+    opened = open_artifact(artifact, kind=kind)
+    golden_files = opened.files_with_role("golden")
+    if not golden_files:
+        return None
+    golden = opened.read_json(golden_files[0])
+    x = np.ascontiguousarray(golden["x"], dtype=np.float32)
+    return x, np.asarray(golden["expected"], dtype=np.float64)
+
+
 async def _golden_check(host: ModelHost[Any], artifact: str, kind: str) -> int:
     """Score the artifact's golden rows with the candidate: finite, in [0, 1], not constant, as stored.
 
     Returns the number of golden rows (0 for artifacts without a golden set, such as the LLM's).
     """
-    opened = open_artifact(artifact, kind=kind)
-    golden_files = opened.files_with_role("golden")
-    if not golden_files:
+    golden = _golden_rows(artifact, kind)
+    if golden is None:
         return 0
-    golden = opened.read_json(golden_files[0])
-    x = np.ascontiguousarray(golden["x"], dtype=np.float32)
-    expected = np.asarray(golden["expected"], dtype=np.float64)
+    x, expected = golden
     output = await host.predict(x, len(x))  # the host refuses non-finite or out-of-range scores
     if len(x) > 1 and float(np.std(output.scores)) < 1e-9:
         raise ModelLoadError(f"{artifact}: the candidate gives one constant score on {len(x)} golden rows")

@@ -45,6 +45,7 @@ def tabular_yaml(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) ->
     data = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
     for name, model in data["models"].items():
         model["artifact"] = str(demo_models / name)
+        model["timeout_ms"] = 20_000  # values are checked: a loaded CI machine must not cause fallbacks
     path = tmp_path_factory.mktemp("pipelines") / "tabular_only.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
