@@ -20,6 +20,7 @@ import ray
 from numpy.typing import NDArray
 
 from riskserve.platform.artifacts import open_artifact
+from riskserve.platform.base_model import ModelOutput
 from riskserve.platform.errors import ConfigError, ModelLoadError, ModelUnavailable, RiskServeError
 from riskserve.platform.host import ModelHost
 from riskserve.platform.metrics import ModelMetrics
@@ -309,14 +310,7 @@ class ModelReplica:
             output = await self._counting_cancellation(loaded, matrix, shared.rows)
         finally:
             loaded.in_flight -= 1
-        return ReplicaAnswer(
-            model=self._name,
-            version=output.version,
-            scores=output.scores.tolist(),
-            labels=list(output.labels) if output.labels is not None else None,
-            latency_ms=(time.perf_counter() - started) * 1e3,
-            input=info,
-        )
+        return self._answer(output, started, input=info)
 
     async def predict_texts(self, texts: list[str], trace: dict[str, str] | None = None) -> ReplicaAnswer:
         """Label a batch of texts."""
@@ -334,13 +328,16 @@ class ModelReplica:
             output = await self._counting_cancellation(loaded, texts, len(texts))
         finally:
             loaded.in_flight -= 1
+        return self._answer(output, started, extra=output.extra)
+
+    def _answer(self, output: ModelOutput, started: float, **fields: Any) -> ReplicaAnswer:
         return ReplicaAnswer(
             model=self._name,
             version=output.version,
             scores=output.scores.tolist(),
             labels=list(output.labels) if output.labels is not None else None,
             latency_ms=(time.perf_counter() - started) * 1e3,
-            extra=output.extra,
+            **fields,
         )
 
     async def _counting_cancellation(self, loaded: _Loaded, batch: Any, rows: int) -> Any:
