@@ -62,9 +62,9 @@ from numpy.typing import NDArray
 
 from riskserve.platform.errors import ConfigError, Conflict, InvalidInput, NotFound
 
-__all__ = ["SCHEMA_VERSION", "Batch", "Cursor", "FeedbackAck", "FeedbackLog"]
+__all__ = ["SCHEMA_VERSION", "Batch", "Cursor", "DecisionRecord", "FeedbackAck", "FeedbackLog", "Window"]
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -90,9 +90,28 @@ CREATE TABLE IF NOT EXISTS cursor (
     model      TEXT PRIMARY KEY,
     last_seq   INTEGER NOT NULL CHECK (last_seq >= 0),
     version    TEXT,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    artifact   TEXT
+);
+CREATE TABLE IF NOT EXISTS holdout (
+    model TEXT NOT NULL,
+    seq   INTEGER NOT NULL,
+    PRIMARY KEY (model, seq)
+);
+CREATE TABLE IF NOT EXISTS batches (
+    model      TEXT NOT NULL,
+    last_seq   INTEGER NOT NULL,
+    after_seq  INTEGER NOT NULL,
+    version    TEXT NOT NULL,
+    report     TEXT NOT NULL,
+    applied_at REAL NOT NULL,
+    PRIMARY KEY (model, last_seq)
 );
 """
+_MIGRATIONS: Final = {
+    # 1 -> 2: the cursor names the artifact of its version; held-out labels and batch reports are kept.
+    1: ["ALTER TABLE cursor ADD COLUMN artifact TEXT"],
+}
 
 
 @dataclass(frozen=True)
@@ -109,13 +128,40 @@ class FeedbackAck:
 
 @dataclass(frozen=True)
 class Cursor:
-    """A model's high-water mark: labels ``seq <= last_seq`` are in ``version``, no others are."""
+    """A model's high-water mark: labels ``seq <= last_seq`` (since ``version``'s lineage was adopted)
+    are in ``version``, no others are."""
 
     model: str
     last_seq: int
     """0 for a model that has applied nothing."""
     version: str | None
     """Model version holding exactly those labels (``None`` before the first mark)."""
+    artifact: str | None = None
+    """Artifact directory of ``version``, where the learner wrote (or adopted) it."""
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """What one decision's models saw, kept so a later label can be joined to it."""
+
+    request_id: str
+    pipeline: str
+    model_version: str
+    """The serving versions at decision time (riskserve stores them as JSON ``{model: version}``)."""
+    features: NDArray[np.float32]
+    columns: tuple[str, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Window:
+    """Held-out labels with their features (most recent last), for judging a candidate version."""
+
+    seqs: NDArray[np.int64]
+    x: NDArray[np.float32]
+    y: NDArray[np.int64]
+
+    def __len__(self) -> int:
+        return int(self.seqs.shape[0])
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,6 +178,8 @@ class Batch:
     feedback_ids: tuple[str, ...]
     columns: tuple[str, ...]
     """Feature names of ``x``; every row of one batch has the same columns."""
+    first_received_at: float = 0.0
+    """When the oldest label of the batch was recorded (0 for an empty batch)."""
 
     def __len__(self) -> int:
         return int(self.seqs.shape[0])
@@ -187,7 +235,14 @@ class FeedbackLog:
             rows = cur.execute("SELECT version FROM schema_version").fetchall()
             if not rows:
                 cur.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-            elif rows != [(SCHEMA_VERSION,)]:
+                return
+            found = rows[0][0] if len(rows) == 1 else None
+            while found in _MIGRATIONS:  # older files are upgraded in the same transaction
+                for statement in _MIGRATIONS[found]:
+                    cur.execute(statement)
+                found += 1
+                cur.execute("UPDATE schema_version SET version = ?", (found,))
+            if found != SCHEMA_VERSION:
                 raise ConfigError(
                     f"{self.path}: schema version {[r[0] for r in rows]}, this code reads {SCHEMA_VERSION}"
                 )
@@ -245,12 +300,44 @@ class FeedbackLog:
             InvalidInput: empty ids, features that are not a 1-D float32 row matching ``columns``.
             Conflict: ``request_id`` was already recorded with a different payload.
         """
-        _require_text(request_id, "request_id")
-        _require_text(pipeline, "pipeline")
-        _require_text(model_version, "model_version")
+        record = DecisionRecord(request_id, pipeline, model_version, features, tuple(columns))
+        conflicts = self.record_decisions([record])
+        if conflicts:
+            raise Conflict(f"decision '{request_id}' was already recorded with a different payload")
+
+    def record_decisions(self, records: Sequence[DecisionRecord]) -> list[str]:
+        """Keep many decisions in ONE commit (one fsync); return the request ids that were already
+        recorded with another payload (kept as first recorded: a retried Decide cannot rewrite history).
+
+        Raises:
+            InvalidInput: a record with empty ids or features that do not match its columns; nothing
+                of the batch is written then.
+        """
+        rows = [self._decision_row(record) for record in records]  # validate all before writing any
+        now = self._clock()
+        conflicts = []
+        with self._write() as cur:
+            for row in rows:
+                cur.execute("INSERT OR IGNORE INTO decisions VALUES (?, ?, ?, ?, ?, ?)", (*row, now))
+                if cur.rowcount == 0:
+                    kept = cur.execute(
+                        "SELECT pipeline, model_version, features, columns FROM decisions"
+                        " WHERE request_id = ?",
+                        (row[0],),
+                    ).fetchone()
+                    if tuple(kept) != row[1:]:
+                        conflicts.append(row[0])
+        return conflicts
+
+    @staticmethod
+    def _decision_row(record: DecisionRecord) -> tuple[str, str, str, bytes, str]:
+        _require_text(record.request_id, "request_id")
+        _require_text(record.pipeline, "pipeline")
+        _require_text(record.model_version, "model_version")
+        features = record.features
         if not isinstance(features, np.ndarray) or features.dtype != np.float32 or features.ndim != 1:
             raise InvalidInput("must be a 1-D float32 numpy array", field="features")
-        names = list(columns)
+        names = list(record.columns)
         if len(names) != features.shape[0] or len(set(names)) != len(names):
             raise InvalidInput(
                 f"{features.shape[0]} features need as many distinct column names, got {names}",
@@ -259,19 +346,13 @@ class FeedbackLog:
         for name in names:
             _require_text(name, "columns")
         blob = np.ascontiguousarray(features, dtype="<f4").tobytes()
-        columns_json = json.dumps(names)
-        with self._write() as cur:
-            cur.execute(
-                "INSERT OR IGNORE INTO decisions VALUES (?, ?, ?, ?, ?, ?)",
-                (request_id, pipeline, model_version, blob, columns_json, self._clock()),
-            )
-            if cur.rowcount == 0:
-                row = cur.execute(
-                    "SELECT pipeline, model_version, features, columns FROM decisions WHERE request_id = ?",
-                    (request_id,),
-                ).fetchone()
-                if tuple(row) != (pipeline, model_version, blob, columns_json):
-                    raise Conflict(f"decision '{request_id}' was already recorded with a different payload")
+        return (record.request_id, record.pipeline, record.model_version, blob, json.dumps(names))
+
+    def seen(self, feedback_id: str) -> bool:
+        """Whether ``feedback_id`` is already in the log (a retry is answered without rate limiting)."""
+        with self._lock:
+            row = self._db.execute("SELECT 1 FROM feedback WHERE feedback_id = ?", (feedback_id,)).fetchone()
+        return row is not None
 
     def record_feedback(self, request_id: str, label: int, feedback_id: str, source: str = "") -> FeedbackAck:
         """Append the true outcome of a decision; return only once it is committed (durable).
@@ -328,9 +409,62 @@ class FeedbackLog:
         _require_text(model, "model")
         with self._lock:
             row = self._db.execute(
-                "SELECT last_seq, version FROM cursor WHERE model = ?", (model,)
+                "SELECT last_seq, version, artifact FROM cursor WHERE model = ?", (model,)
             ).fetchone()
-        return Cursor(model, 0, None) if row is None else Cursor(model, int(row[0]), row[1])
+        return Cursor(model, 0, None) if row is None else Cursor(model, int(row[0]), row[1], row[2])
+
+    def adopt(self, model: str, version: str, artifact: str) -> Cursor:
+        """Make ``version`` (at ``artifact``) the one later labels are applied to, without moving the
+        high-water mark: a swap or the first version a learner sees. Labels already applied stay applied."""
+        _require_text(model, "model")
+        _require_text(version, "version")
+        _require_text(artifact, "artifact")
+        with self._write() as cur:
+            cur.execute(
+                "INSERT INTO cursor (model, last_seq, version, updated_at, artifact) VALUES (?, 0, ?, ?, ?)"
+                " ON CONFLICT (model) DO UPDATE SET"
+                " version = excluded.version, artifact = excluded.artifact, updated_at = excluded.updated_at",
+                (model, version, self._clock(), artifact),
+            )
+        return self.cursor(model)
+
+    def pending_count(self, model: str) -> int:
+        """How many labels ``model`` has not applied yet."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT COUNT(*) FROM feedback"
+                " WHERE seq > COALESCE((SELECT last_seq FROM cursor WHERE model = ?), 0)",
+                (model,),
+            ).fetchone()
+        return int(row[0])
+
+    def holdout_window(self, model: str, columns: Sequence[str], limit: int) -> Window:
+        """The ``limit`` most recent labels held out for ``model`` whose decisions have ``columns``."""
+        layout = json.dumps(list(columns))
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT f.seq, f.label, d.features FROM holdout AS h"
+                " JOIN feedback AS f ON f.seq = h.seq JOIN decisions AS d ON d.request_id = f.request_id"
+                " WHERE h.model = ? AND d.columns = ? ORDER BY h.seq DESC LIMIT ?",
+                (model, layout, limit),
+            ).fetchall()
+        rows.reverse()
+        x = np.empty((len(rows), len(columns)), dtype=np.float32)
+        for i, r in enumerate(rows):
+            x[i] = np.frombuffer(r[2], dtype="<f4")
+        return Window(
+            seqs=np.array([r[0] for r in rows], dtype=np.int64),
+            x=x,
+            y=np.array([r[1] for r in rows], dtype=np.int64),
+        )
+
+    def batch_reports(self, model: str) -> list[dict[str, Any]]:
+        """What each applied mini-batch of ``model`` did, in order (written with its cursor move)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT report FROM batches WHERE model = ? ORDER BY last_seq", (model,)
+            ).fetchall()
+        return [json.loads(r[0]) for r in rows]
 
     def register_model(self, model: str) -> Cursor:
         """Make ``model`` known (cursor at 0 if new) so purging keeps the labels it has not applied."""
@@ -358,7 +492,8 @@ class FeedbackLog:
                 row = self._db.execute("SELECT last_seq FROM cursor WHERE model = ?", (model,)).fetchone()
                 after = 0 if row is None else int(row[0])
                 rows = self._db.execute(
-                    "SELECT f.seq, f.feedback_id, f.label, d.features, d.columns FROM feedback AS f"
+                    "SELECT f.seq, f.feedback_id, f.label, d.features, d.columns, f.received_at"
+                    " FROM feedback AS f"
                     " JOIN decisions AS d ON d.request_id = f.request_id"
                     " WHERE f.seq > ? ORDER BY f.seq LIMIT ?",
                     (after, limit),
@@ -381,16 +516,27 @@ class FeedbackLog:
             y=np.array([r[2] for r in rows], dtype=np.int64),
             feedback_ids=tuple(r[1] for r in rows),
             columns=tuple(json.loads(layout)),
+            first_received_at=float(rows[0][5]),
         )
 
     def mark_applied(
-        self, model: str, last_seq: int, version: str, *, expected_last_seq: int | None = None
+        self,
+        model: str,
+        last_seq: int,
+        version: str,
+        *,
+        expected_last_seq: int | None = None,
+        artifact: str | None = None,
+        holdout_seqs: Sequence[int] = (),
+        report: dict[str, Any] | None = None,
     ) -> Cursor:
         """Record that ``version`` holds every label up to ``last_seq``: cursor and version in ONE commit.
 
         Repeating the current (``last_seq``, ``version``) is a no-op, so a retried mark is harmless.
         Pass ``expected_last_seq=batch.after_seq`` to prove no label was skipped: the mark then applies
-        only if the cursor is still where the batch was read.
+        only if the cursor is still where the batch was read. ``artifact`` (where ``version`` is),
+        ``holdout_seqs`` (labels of the batch held out for validation) and ``report`` (what the batch
+        did) are written in the same commit.
 
         Raises:
             Conflict: ``last_seq`` is behind the cursor, equal with another version, past the last
@@ -401,10 +547,12 @@ class FeedbackLog:
         if not isinstance(last_seq, int) or last_seq < 1:
             raise InvalidInput(f"must be a positive integer, got {last_seq!r}", field="last_seq")
         with self._write() as cur:
-            row = cur.execute("SELECT last_seq, version FROM cursor WHERE model = ?", (model,)).fetchone()
+            row = cur.execute(
+                "SELECT last_seq, version, artifact FROM cursor WHERE model = ?", (model,)
+            ).fetchone()
             current, current_version = (0, None) if row is None else (int(row[0]), row[1])
             if last_seq == current and version == current_version:
-                return Cursor(model, current, current_version)
+                return Cursor(model, current, current_version, None if row is None else row[2])
             if expected_last_seq is not None and expected_last_seq != current:
                 raise Conflict(
                     f"model '{model}' cursor is at {current}, not {expected_last_seq}: "
@@ -415,13 +563,26 @@ class FeedbackLog:
             exists = cur.execute("SELECT 1 FROM feedback WHERE seq = ?", (last_seq,)).fetchone()
             if exists is None:
                 raise Conflict(f"no label has seq {last_seq}; a cursor cannot move past the recorded labels")
+            kept_artifact = artifact if artifact is not None else (None if row is None else row[2])
+            if artifact is None and version != current_version:
+                kept_artifact = None  # a new version without a known artifact
+            now = self._clock()
             cur.execute(
-                "INSERT INTO cursor (model, last_seq, version, updated_at) VALUES (?, ?, ?, ?)"
-                " ON CONFLICT (model) DO UPDATE SET"
-                " last_seq = excluded.last_seq, version = excluded.version, updated_at = excluded.updated_at",
-                (model, last_seq, version, self._clock()),
+                "INSERT INTO cursor (model, last_seq, version, updated_at, artifact) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT (model) DO UPDATE SET last_seq = excluded.last_seq, version = excluded.version,"
+                " updated_at = excluded.updated_at, artifact = excluded.artifact",
+                (model, last_seq, version, now, kept_artifact),
             )
-        return Cursor(model, last_seq, version)
+            cur.executemany(
+                "INSERT OR IGNORE INTO holdout (model, seq) VALUES (?, ?)",
+                [(model, int(seq)) for seq in holdout_seqs],
+            )
+            if report is not None:
+                cur.execute(
+                    "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?)",
+                    (model, last_seq, current, version, json.dumps(report, sort_keys=True), now),
+                )
+        return Cursor(model, last_seq, version, kept_artifact)
 
     def purge_expired(self) -> int:
         """Delete decisions past retention whose labels every known model has applied; return how many.
@@ -439,7 +600,9 @@ class FeedbackLog:
             )
             cur.execute(f"DELETE FROM feedback WHERE request_id IN ({doomed})", (cutoff, floor))
             cur.execute(f"DELETE FROM decisions WHERE request_id IN ({doomed})", (cutoff, floor))
-            return int(cur.rowcount)
+            purged = int(cur.rowcount)
+            cur.execute("DELETE FROM holdout WHERE seq NOT IN (SELECT seq FROM feedback)")
+            return purged
 
 
 def _require_text(value: object, field: str) -> None:

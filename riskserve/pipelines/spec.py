@@ -21,7 +21,9 @@ __all__ = [
     "BreakerSpec",
     "DecisionSpec",
     "FallbackSpec",
+    "FeedbackSpec",
     "ModelSpec",
+    "OnlineLearningSpec",
     "Outcome",
     "PipelineSpec",
     "PoolSpec",
@@ -98,6 +100,58 @@ class BreakerSpec(_Strict):
     """Probe calls let through after ``open_ms``; all must pass to close."""
 
 
+class OnlineLearningSpec(_Strict):
+    """How a scikit-learn model learns from the pipeline's feedback (semantics in
+    :mod:`riskserve.learning.learner`): mini-batches of ``partial_fit``, validated before they are served."""
+
+    batch_size: int = Field(default=64, ge=1, le=65536)
+    """Labels per mini-batch."""
+    interval_ms: float = Field(default=5000, gt=0)
+    """A partial mini-batch is applied once its oldest label has waited this long."""
+    holdout_every: int = Field(default=5, ge=0)
+    """One label in this many (chosen by a hash of its ``feedback_id``) validates instead of training;
+    0 holds nothing out."""
+    holdout_window: int = Field(default=1000, ge=1)
+    """The most recent held-out labels a candidate version is judged on."""
+    min_holdout_rows: int = Field(default=50, ge=1)
+    """Fewer held-out labels than this: the log-loss check is skipped (the golden checks still run)."""
+    max_logloss_increase: float = Field(default=0.005, ge=0)
+    """A candidate whose held-out log-loss exceeds the serving version's by more is reverted."""
+    max_golden_shift: float = Field(default=0.2, gt=0, le=1)
+    """A candidate that moves any golden-row score by more than this in one mini-batch is reverted."""
+    max_coef_step: float = Field(default=0.25, gt=0)
+    """Cap on the L2 norm of one mini-batch's change to (coefficients, intercept); a larger step is
+    scaled down to it (a guard rail against poisoned labels; on the demo data an honest batch of 1,000
+    labels moves about 0.03, a batch of 1,000 flipped labels about 0.7)."""
+    update_scaler: bool = True
+    """Whether mini-batches also update the scaler's running mean and variance."""
+    artifact_dir: Path | None = None
+    """Where learned versions are written (one verifiable artifact each); default: beside the log."""
+    keep_versions: int = Field(default=50, ge=2)
+    """Learned artifacts kept on disk (the serving one is always kept)."""
+
+
+class FeedbackSpec(_Strict):
+    """Where the pipeline keeps decisions and labels for online learning, and how labels are admitted."""
+
+    log_path: Path
+    """The SQLite feedback log (WAL mode, fsync per commit); a relative path is relative to the YAML."""
+    retention_hours: float = Field(default=168, gt=0)
+    """How long a decision's features are kept for a label to be joined to them."""
+    source_rate_per_s: float = Field(default=50, gt=0)
+    """Labels per second one source (``FeedbackRequest.source``) may send, on average."""
+    source_burst: int = Field(default=500, ge=1)
+    """Labels one source may send at once before its rate applies."""
+    flush_ms: float = Field(default=50, gt=0, le=10_000)
+    """Decisions are buffered in the ingress and written to the log in one commit this often."""
+    buffer_rows: int = Field(default=100_000, ge=1)
+    """Decisions an ingress replica buffers while the log is unreachable; older ones are dropped past it
+    (counted in the metrics)."""
+    pool: str | None = None
+    """Pool of the feedback service (one replica: it owns the log); default: the first pool."""
+    num_cpus: float = Field(default=0.25, ge=0)
+
+
 class ModelSpec(_Strict):
     """One model of the pipeline and how it is served."""
 
@@ -125,6 +179,8 @@ class ModelSpec(_Strict):
     """Requests waiting for a replica before the call is refused (-1: unbounded); a refused model call
     gets the fallback (reason OVERLOADED)."""
     breaker: BreakerSpec = BreakerSpec()
+    online: OnlineLearningSpec | None = None
+    """Learn from the pipeline's feedback (scikit-learn models; needs the pipeline's ``feedback``)."""
 
     @property
     def reads_text(self) -> bool:
@@ -195,6 +251,8 @@ class PipelineSpec(_Strict):
     serving: ServingSpec = ServingSpec()
     tracing: TracingSettings = TracingSettings()
     """OpenTelemetry export: ``none`` (ids only), ``console``, ``file`` (JSON lines) or ``otlp``."""
+    feedback: FeedbackSpec | None = None
+    """Keep decisions and accept labels (the ``Feedback`` RPC) for online learning."""
     base_dir: Path = Field(default=Path("."), exclude=True)
     """Directory relative artifact paths are resolved against (the YAML file's; not written in YAML)."""
 
@@ -202,6 +260,27 @@ class PipelineSpec(_Strict):
         """Absolute artifact directory of a model."""
         path = self.models[model].artifact
         return path if path.is_absolute() else (self.base_dir / path).resolve()
+
+    def _relative(self, path: Path) -> Path:
+        return path if path.is_absolute() else (self.base_dir / path).resolve()
+
+    def feedback_log_path(self) -> Path:
+        """Absolute path of the feedback log (the pipeline must have ``feedback``)."""
+        if self.feedback is None:
+            raise ConfigError(f"pipeline '{self.name}' has no feedback section")
+        return self._relative(self.feedback.log_path)
+
+    def learned_dir(self, model: str) -> Path:
+        """Absolute directory of a model's learned versions."""
+        online = self.models[model].online
+        if online is not None and online.artifact_dir is not None:
+            return self._relative(online.artifact_dir)
+        log = self.feedback_log_path()
+        return log.parent / f"{log.name}.models" / model
+
+    def online_models(self) -> list[str]:
+        """Models that learn from feedback."""
+        return [name for name, model in self.models.items() if model.online is not None]
 
     def model_columns(self, model: str) -> list[str]:
         """Feature columns a model reads, in order ("all" expanded)."""
@@ -222,6 +301,10 @@ class PipelineSpec(_Strict):
         data = self.model_dump(mode="json")
         for name in self.models:
             data["models"][name]["artifact"] = str(self.artifact_path(name))
+        if self.feedback is not None:
+            data["feedback"]["log_path"] = str(self.feedback_log_path())
+            for name in self.online_models():
+                data["models"][name]["online"]["artifact_dir"] = str(self.learned_dir(name))
         if self.tracing.file_path is not None and not self.tracing.file_path.is_absolute():
             data["tracing"]["file_path"] = str((self.base_dir / self.tracing.file_path).resolve())
         return data
@@ -239,12 +322,14 @@ def _reference_errors(spec: PipelineSpec) -> list[str]:
     from riskserve.wrappers import backend
 
     errors: list[str] = []
-    for stage_name in ("features", "ingress"):
-        pool = getattr(spec.serving, stage_name).pool
+    stage_pools = {
+        f"serving.{name}.pool": getattr(spec.serving, name).pool for name in ("features", "ingress")
+    }
+    if spec.feedback is not None:
+        stage_pools["feedback.pool"] = spec.feedback.pool
+    for where, pool in stage_pools.items():
         if pool is not None and pool not in spec.pools:
-            errors.append(
-                f"serving.{stage_name}.pool: unknown pool '{pool}' (pools: {', '.join(spec.pools)})"
-            )
+            errors.append(f"{where}: unknown pool '{pool}' (pools: {', '.join(spec.pools)})")
     columns = set(spec.features.column_names())
     for name, model in spec.models.items():
         where = f"models.{name}"
@@ -254,6 +339,10 @@ def _reference_errors(spec: PipelineSpec) -> list[str]:
             missing = [c for c in model.columns if c not in columns]
             if missing:
                 errors.append(f"{where}.columns: not produced by the features: {missing}")
+        if model.online is not None and model.kind != "sklearn":
+            errors.append(f"{where}.online: only sklearn models learn online, this one is '{model.kind}'")
+        if model.online is not None and spec.feedback is None:
+            errors.append(f"{where}.online: needs the pipeline's 'feedback' section (where labels are kept)")
         if model.fallback.label is not None and not model.reads_text:
             errors.append(f"{where}.fallback.label: only text models have labels")
         try:

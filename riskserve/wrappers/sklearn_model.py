@@ -49,8 +49,10 @@ __all__ = [
     "ScalerParams",
     "SklearnModel",
     "SklearnSettings",
+    "load_sklearn_artifact",
     "save_sklearn_artifact",
     "snapshot_from_logistic_regression",
+    "snapshot_scores",
 ]
 
 PARAMS_FILE = "params.json"
@@ -270,7 +272,7 @@ class SklearnModel(BaseModel[FeatureMatrix, SklearnSettings]):
         return current
 
     async def load(self) -> None:
-        artifact, snapshot = await asyncio.to_thread(_load_artifact, self.settings.artifact)
+        artifact, snapshot = await asyncio.to_thread(load_sklearn_artifact, self.settings.artifact)
         self._artifact = artifact
         self._feature_names = list(artifact.manifest.feature_names)
         self._publish(snapshot)
@@ -363,6 +365,12 @@ class SklearnModel(BaseModel[FeatureMatrix, SklearnSettings]):
         }
 
 
+def snapshot_scores(snapshot: LinearSnapshot, x: NDArray[np.float32]) -> NDArray[np.float64]:
+    """Scores of ``x`` by ``snapshot`` through scikit-learn, as a replica computes them."""
+    scores = snapshot.make_classifier().predict_proba(snapshot.make_scaler().transform(x))[:, 1]
+    return np.ascontiguousarray(scores, dtype=np.float64)
+
+
 def train_step(
     parent: LinearSnapshot, batch: NDArray[np.float32], labels: NDArray[np.int64], *, update_scaler: bool
 ) -> LinearSnapshot:
@@ -390,7 +398,8 @@ def train_step(
     return LinearSnapshot.from_params(params)
 
 
-def _load_artifact(path: Path) -> tuple[Artifact, LinearSnapshot]:
+def load_sklearn_artifact(path: Path | str) -> tuple[Artifact, LinearSnapshot]:
+    """Open and verify an artifact (checksums, canonical parameters, width, golden set) and its snapshot."""
     artifact = open_artifact(path, kind="sklearn")
     try:
         params = LinearParams.model_validate_json(artifact.path(PARAMS_FILE).read_bytes())
@@ -418,7 +427,7 @@ def _check_golden(artifact: Artifact, snapshot: LinearSnapshot) -> None:
         raise ModelLoadError(f"{artifact.root / GOLDEN_FILE}: malformed golden set: {error}") from error
     if x.ndim != 2 or x.shape[1] != snapshot.width or expected.shape != (x.shape[0],):
         raise ModelLoadError(f"{artifact.root / GOLDEN_FILE}: golden set does not fit the model's width")
-    actual = snapshot.make_classifier().predict_proba(snapshot.make_scaler().transform(x))[:, 1]
+    actual = snapshot_scores(snapshot, x)
     diff = float(np.max(np.abs(actual - expected)))
     if not diff <= _GOLDEN_TOLERANCE:
         raise ModelLoadError(f"{artifact.root}: golden-set outputs differ from the stored ones by {diff:.3g}")
@@ -439,7 +448,7 @@ def save_sklearn_artifact(
     out.mkdir(parents=True, exist_ok=True)
     (out / PARAMS_FILE).write_bytes(snapshot.params.to_json_bytes())
     x = np.ascontiguousarray(golden_x, dtype=np.float32)
-    expected = snapshot.make_classifier().predict_proba(snapshot.make_scaler().transform(x))[:, 1]
+    expected = snapshot_scores(snapshot, x)
     golden = {"x": x.tolist(), "expected": [float(v) for v in expected]}
     (out / GOLDEN_FILE).write_text(json.dumps(golden) + "\n")
     write_manifest(

@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 from sklearn.linear_model import SGDClassifier
 
 from riskserve.learning import Batch, FeedbackLog
+from riskserve.learning.feedback_log import SCHEMA_VERSION
 from riskserve.platform.errors import Conflict, InvalidInput, NotFound
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ def test_wal_and_fsync_on_commit_are_in_effect(log: FeedbackLog) -> None:
     # A second, independent connection sees the file in WAL mode too (it is persistent in the file).
     with closing(sqlite3.connect(log.path)) as other:
         assert other.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert other.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+        assert other.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
 
 
 def test_a_retried_feedback_id_is_a_duplicate_and_the_label_is_logged_once(log: FeedbackLog) -> None:

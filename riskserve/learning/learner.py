@@ -1,0 +1,382 @@
+"""Online learning of one scikit-learn model from the feedback log: mini-batches, exactly once, guarded.
+
+One :meth:`OnlineLearner.step`:
+
+1. reads the labels after the model's cursor: a mini-batch of ``batch_size`` labels, or fewer once the
+   oldest has waited ``interval_ms``;
+2. splits them: one label in ``holdout_every`` (chosen by a hash of its ``feedback_id``, so a replay
+   splits the same way) is held out for validation, the others train;
+3. runs ``partial_fit`` on a copy of the cursor's version and scales the step down to ``max_coef_step``
+   (the L2 norm of the change to coefficients and intercept), so a burst of poisoned labels moves the
+   model a bounded distance;
+4. judges the candidate: golden rows finite, in [0, 1], not constant, none moved by more than
+   ``max_golden_shift``; on the held-out window (labels held out of earlier accepted batches), a
+   log-loss no worse than the serving version's by more than ``max_logloss_increase``. A candidate that
+   fails is reverted: the batch is consumed, the version stays, its held-out labels do not join the
+   window, and the report says why;
+5. writes the candidate as a verifiable artifact (content-addressed directory, fsynced, atomic rename);
+6. moves cursor, version, artifact, held-out ids and the batch report in ONE commit of the log.
+
+A crash anywhere before step 6 leaves the cursor where it was: the restarted learner reads the same labels
+onto the same parent and, the steps being deterministic, writes the same version. So every label is in
+the served lineage exactly once (see :mod:`riskserve.learning.feedback_log`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import BaseModel as _Schema
+from pydantic import ConfigDict
+
+from riskserve.learning.feedback_log import Batch, FeedbackLog
+from riskserve.pipelines.spec import OnlineLearningSpec
+from riskserve.platform.errors import ModelLoadError
+from riskserve.wrappers.sklearn_model import (
+    GOLDEN_FILE,
+    LinearSnapshot,
+    load_sklearn_artifact,
+    save_sklearn_artifact,
+    snapshot_scores,
+    train_step,
+)
+
+__all__ = [
+    "BatchReport",
+    "LearnedVersion",
+    "OnlineLearner",
+    "cap_step",
+    "is_holdout",
+    "load_version",
+    "log_loss",
+]
+
+Outcome = Literal["applied", "reverted", "held_out"]
+
+
+def is_holdout(feedback_id: str, every: int) -> bool:
+    """Whether a label validates instead of training: one in ``every``, by a hash of its id (stable)."""
+    if every <= 0:
+        return False
+    digest = hashlib.sha256(feedback_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % every == 0
+
+
+def log_loss(y: NDArray[np.int64], p: NDArray[np.float64]) -> float:
+    """Mean binary cross-entropy, with probabilities clipped away from 0 and 1."""
+    q = np.clip(p, 1e-12, 1 - 1e-12)
+    return float(-np.mean(y * np.log(q) + (1 - y) * np.log(1 - q)))
+
+
+def cap_step(
+    parent: LinearSnapshot, candidate: LinearSnapshot, cap: float
+) -> tuple[LinearSnapshot, float, bool]:
+    """``candidate`` with its change from ``parent`` scaled to an L2 norm of at most ``cap``.
+
+    Returns the (possibly scaled) snapshot, the norm of the unscaled step, and whether it was scaled.
+    """
+    old = np.append(parent.coef, parent.params.intercept)
+    new = np.append(candidate.coef, candidate.params.intercept)
+    norm = float(np.linalg.norm(new - old))
+    if norm <= cap:
+        return candidate, norm, False
+    scaled = old + (new - old) * (cap / norm)
+    params = candidate.params.model_copy(
+        update={"coef": [float(v) for v in scaled[:-1]], "intercept": float(scaled[-1])}
+    )
+    return LinearSnapshot.from_params(params), norm, True
+
+
+@dataclass(frozen=True, eq=False)
+class LearnedVersion:
+    """A verified version a learner trains from: its snapshot, artifact and golden rows."""
+
+    snapshot: LinearSnapshot
+    artifact: Path
+    feature_names: tuple[str, ...]
+    golden_x: NDArray[np.float32]
+
+    @property
+    def version(self) -> str:
+        """The content version."""
+        return self.snapshot.version
+
+
+def load_version(path: Path | str) -> LearnedVersion:
+    """Open and verify an sklearn artifact as a learner's parent (it must carry a golden set).
+
+    Raises:
+        ModelLoadError: the artifact fails verification or has no golden rows.
+    """
+    artifact, snapshot = load_sklearn_artifact(path)
+    if GOLDEN_FILE not in artifact.manifest.files:
+        raise ModelLoadError(f"{artifact.root}: an online model needs a golden set ({GOLDEN_FILE})")
+    golden_x = np.ascontiguousarray(artifact.read_json(GOLDEN_FILE)["x"], dtype=np.float32)
+    return LearnedVersion(snapshot, artifact.root, tuple(artifact.manifest.feature_names), golden_x)
+
+
+class BatchReport(_Schema):
+    """What one mini-batch did; stored in the log with the cursor move that consumed it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    after_seq: int
+    last_seq: int
+    rows: int
+    trained_rows: int
+    holdout_rows: int
+    parent: str
+    version: str
+    """The version serving after this batch: the candidate, or ``parent`` when it was reverted."""
+    artifact: str
+    outcome: Outcome
+    reason: str = ""
+    coef_step: float = 0.0
+    """L2 norm of the step ``partial_fit`` asked for (before capping)."""
+    clipped: bool = False
+    golden_shift: float = 0.0
+    """Largest change of a golden-row score from parent to candidate."""
+    window_rows: int = 0
+    logloss_before: float | None = None
+    logloss_after: float | None = None
+    first_received_at: float
+    applied_at: float
+
+    @property
+    def changed(self) -> bool:
+        """Whether the batch produced a new serving version."""
+        return self.version != self.parent
+
+
+class OnlineLearner:
+    """Applies one model's labels from the log as mini-batches; the log's cursor is its only state."""
+
+    def __init__(
+        self,
+        log: FeedbackLog,
+        model: str,
+        settings: OnlineLearningSpec,
+        artifact_dir: Path,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.log = log
+        self.model = model
+        self.settings = settings
+        self.artifact_dir = Path(artifact_dir)
+        self._clock = clock
+        self._parent: LearnedVersion | None = None
+
+    def current(self) -> LearnedVersion | None:
+        """The version the cursor names (``None`` before a version is adopted)."""
+        cursor = self.log.cursor(self.model)
+        if cursor.version is None or cursor.artifact is None:
+            return None
+        parent = self._parent
+        if parent is None or parent.version != cursor.version:
+            parent = load_version(cursor.artifact)
+            if parent.version != cursor.version:
+                raise ModelLoadError(
+                    f"{cursor.artifact}: holds version {parent.version}, the log names {cursor.version}"
+                )
+            self._parent = parent
+        return parent
+
+    def adopt(self, artifact: Path | str) -> LearnedVersion:
+        """Verify ``artifact`` and make it the version later labels train (a swap, or the first version)."""
+        version = load_version(artifact)
+        self.log.adopt(self.model, version.version, str(version.artifact))
+        self._parent = version
+        return version
+
+    def due(self, batch: Batch) -> bool:
+        """A full mini-batch, or a partial one whose oldest label has waited ``interval_ms``."""
+        if len(batch) == 0:
+            return False
+        waited_ms = (self._clock() - batch.first_received_at) * 1e3
+        return len(batch) >= self.settings.batch_size or waited_ms >= self.settings.interval_ms
+
+    def step(self, *, force: bool = False) -> BatchReport | None:
+        """Apply the next mini-batch if one is due (or ``force``); ``None`` when there was nothing to do.
+
+        Raises:
+            ModelLoadError: no version was adopted yet, or the cursor's artifact fails verification.
+            Conflict: another learner moved the cursor meanwhile (nothing was applied by this one).
+        """
+        parent = self.current()
+        if parent is None:
+            raise ModelLoadError(f"model '{self.model}': no version adopted yet; nothing to train from")
+        batch = self.log.pending(self.model, limit=self.settings.batch_size)
+        if len(batch) == 0 or not (force or self.due(batch)):
+            return None
+        report, holdout_seqs = self._judge(parent, batch)
+        self.log.mark_applied(
+            self.model,
+            batch.last_seq,
+            report.version,
+            expected_last_seq=batch.after_seq,
+            artifact=report.artifact,
+            holdout_seqs=holdout_seqs,
+            report=report.model_dump(mode="json"),
+        )
+        if report.changed:
+            self._prune(keep={report.version, parent.version})
+        return report
+
+    def _judge(self, parent: LearnedVersion, batch: Batch) -> tuple[BatchReport, list[int]]:
+        """Train, cap and judge a candidate; write it if it passes. Nothing here touches the cursor."""
+        base = {
+            "model": self.model,
+            "after_seq": batch.after_seq,
+            "last_seq": batch.last_seq,
+            "rows": len(batch),
+            "parent": parent.version,
+            "first_received_at": batch.first_received_at,
+        }
+        missing = [c for c in parent.feature_names if c not in batch.columns]
+        if missing:
+            return self._report(base, parent, "reverted", f"decisions lack the model's columns {missing}"), []
+        index = [batch.columns.index(c) for c in parent.feature_names]
+        x = np.ascontiguousarray(batch.x[:, index])
+        held = np.array([is_holdout(f, self.settings.holdout_every) for f in batch.feedback_ids], dtype=bool)
+        holdout_seqs = [int(s) for s in batch.seqs[held]]
+        base |= {"trained_rows": int((~held).sum()), "holdout_rows": int(held.sum())}
+        if not (~held).any():
+            return self._report(
+                base, parent, "held_out", "every label of the batch is held out"
+            ), holdout_seqs
+        trained = train_step(
+            parent.snapshot, x[~held], batch.y[~held], update_scaler=self.settings.update_scaler
+        )
+        candidate, step, clipped = cap_step(parent.snapshot, trained, self.settings.max_coef_step)
+        base |= {"coef_step": step, "clipped": clipped}
+        reason, checks = self._validate(parent, candidate, batch, index)
+        base |= checks
+        if reason:
+            return self._report(base, parent, "reverted", reason), []
+        path = self._write(candidate, parent)
+        report = BatchReport(
+            **base,
+            version=candidate.version,
+            artifact=str(path),
+            outcome="applied",
+            reason="clipped to max_coef_step" if clipped else "",
+            applied_at=self._clock(),
+        )
+        return report, holdout_seqs
+
+    def _report(
+        self, base: dict[str, object], parent: LearnedVersion, outcome: Outcome, reason: str
+    ) -> BatchReport:
+        fields = {"trained_rows": 0, "holdout_rows": 0, **base}
+        return BatchReport.model_validate(
+            {
+                **fields,
+                "version": parent.version,
+                "artifact": str(parent.artifact),
+                "outcome": outcome,
+                "reason": reason,
+                "applied_at": self._clock(),
+            }
+        )
+
+    def _validate(
+        self,
+        parent: LearnedVersion,
+        candidate: LinearSnapshot,
+        batch: Batch,
+        index: list[int],
+    ) -> tuple[str, dict[str, object]]:
+        """Why the candidate must be reverted ('' if it passes), and the figures it was judged on."""
+        checks: dict[str, object] = {}
+        golden_new = snapshot_scores(candidate, parent.golden_x)
+        golden_old = snapshot_scores(parent.snapshot, parent.golden_x)
+        if not np.isfinite(golden_new).all() or golden_new.min() < 0 or golden_new.max() > 1:
+            return "golden scores are not finite numbers in [0, 1]", checks
+        shift = float(np.max(np.abs(golden_new - golden_old)))
+        checks["golden_shift"] = shift
+        if len(golden_new) > 1 and float(np.std(golden_new)) < 1e-9:
+            return "the candidate gives one constant score on the golden rows", checks
+        if shift > self.settings.max_golden_shift:
+            return (
+                f"a golden score moved by {shift:.3f} > max_golden_shift {self.settings.max_golden_shift}",
+                checks,
+            )
+        # Judged on labels held out of earlier *accepted* batches only: a poisoned batch's own held-out
+        # labels are as poisoned as its training labels, and a reverted batch's never join the window.
+        window = self.log.holdout_window(self.model, batch.columns, self.settings.holdout_window)
+        x, y = window.x[:, index], window.y
+        checks["window_rows"] = len(y)
+        if len(y) < self.settings.min_holdout_rows:
+            return "", checks
+        before = log_loss(y, snapshot_scores(parent.snapshot, x))
+        after = log_loss(y, snapshot_scores(candidate, x))
+        checks |= {"logloss_before": before, "logloss_after": after}
+        if not math.isfinite(after) or after > before + self.settings.max_logloss_increase:
+            margin = self.settings.max_logloss_increase
+            return f"held-out log-loss {after:.4f} > {before:.4f} + max_logloss_increase {margin}", checks
+        return "", checks
+
+    def _write(self, candidate: LinearSnapshot, parent: LearnedVersion) -> Path:
+        """Write ``candidate`` durably at ``artifact_dir/<version>`` (atomic rename) and return the path."""
+        final = self.artifact_dir / candidate.version
+        if final.is_dir():
+            load_version(final)  # a crashed earlier attempt wrote the same version: verify and reuse it
+            return final
+        self.artifact_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.artifact_dir / f".tmp-{uuid.uuid4().hex}"
+        try:
+            save_sklearn_artifact(
+                candidate,
+                tmp,
+                feature_names=parent.feature_names,
+                golden_x=parent.golden_x,
+                info={"learned_by": "riskserve online learner", "model": self.model},
+            )
+            _fsync_tree(tmp)
+            os.rename(tmp, final)
+            _fsync_dir(self.artifact_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    def _prune(self, keep: set[str]) -> None:
+        """Delete learned artifacts beyond the ``keep_versions`` newest (never one in ``keep``)."""
+        versions = sorted(
+            (p for p in self.artifact_dir.iterdir() if p.is_dir() and not p.name.startswith(".")),
+            key=lambda p: p.stat().st_mtime,
+        )
+        for path in versions[: max(len(versions) - self.settings.keep_versions, 0)]:
+            if path.name not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def reports(self) -> list[BatchReport]:
+        """Every mini-batch this model applied, in order."""
+        return [BatchReport.model_validate(r) for r in self.log.batch_reports(self.model)]
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.iterdir():
+        with path.open("rb") as handle:
+            os.fsync(handle.fileno())
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,84 @@
+"""The ingress side of the feedback log: decisions are buffered and written in one commit per flush.
+
+A Decide must not wait for an fsync, so each ingress replica keeps the decisions it made in a bounded
+buffer and sends them to the feedback service every ``flush_ms`` (one SQLite commit per send). A send that
+fails (the service is restarting) is retried with the records kept; past ``buffer_rows`` the oldest are
+dropped and counted. ``Feedback`` flushes first, so a label sent right after its decision finds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from riskserve.learning.feedback_log import DecisionRecord
+
+__all__ = ["DecisionRecorder"]
+
+logger = logging.getLogger(__name__)
+RETRY_S = 0.5
+
+
+class DecisionRecorder:
+    """Bounded buffer of decisions with a background flusher on the running event loop."""
+
+    def __init__(
+        self,
+        send: Callable[[list[DecisionRecord]], Awaitable[Any]],
+        *,
+        flush_s: float,
+        max_rows: int,
+        on_drop: Callable[[int], None] = lambda n: None,
+    ) -> None:
+        self._send = send
+        self._flush_s = flush_s
+        self._max_rows = max_rows
+        self._on_drop = on_drop
+        self._buffer: collections.deque[DecisionRecord] = collections.deque()
+        self._lock: asyncio.Lock | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.sent = 0
+        self.dropped = 0
+
+    def add(self, records: list[DecisionRecord]) -> None:
+        """Buffer decisions (called on the event loop); the flusher starts with the first one."""
+        self._buffer.extend(records)
+        overflow = len(self._buffer) - self._max_rows
+        if overflow > 0:
+            for _ in range(overflow):
+                self._buffer.popleft()
+            self.dropped += overflow
+            self._on_drop(overflow)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    @property
+    def buffered(self) -> int:
+        """Decisions not sent yet."""
+        return len(self._buffer)
+
+    async def flush(self) -> None:
+        """Send every decision buffered now; raises if the feedback service cannot take them."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            while self._buffer:
+                batch = list(self._buffer)
+                await self._send(batch)
+                for _ in batch:  # only what was sent: records added meanwhile stay
+                    self._buffer.popleft()
+                self.sent += len(batch)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._flush_s)
+            try:
+                await self.flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the service is restarting: keep the records and retry
+                logger.warning("feedback log unreachable (%s); %d decisions kept", error, self.buffered)
+                await asyncio.sleep(RETRY_S)

@@ -1,0 +1,276 @@
+"""The online learner against a real SQLite log and real scikit-learn: exactly once, guard rails, replay."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from riskserve.demo.dataset import FEATURE_NAMES
+from riskserve.demo.tabular import TabularData, make_tabular_data, train_fraud_lr
+from riskserve.learning.feedback_log import SCHEMA_VERSION, DecisionRecord, FeedbackLog
+from riskserve.learning.learner import OnlineLearner, cap_step, is_holdout, load_version
+from riskserve.learning.rate_limit import SourceRateLimiter
+from riskserve.learning.recorder import DecisionRecorder
+from riskserve.pipelines.spec import OnlineLearningSpec
+from riskserve.platform.errors import Overloaded
+from riskserve.wrappers.sklearn_model import LinearSnapshot, train_step
+
+COLUMNS = tuple(FEATURE_NAMES)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def data() -> TabularData:
+    return make_tabular_data(4, train_rows=6000, test_rows=3000)
+
+
+@pytest.fixture(scope="module")
+def base_artifact(data: TabularData, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fraud")
+    train_fraud_lr(data, out, seed=4)
+    return out
+
+
+def _record(
+    log: FeedbackLog, x: np.ndarray, y: np.ndarray, *, start: int = 0, prefix: str = "fb"
+) -> list[str]:
+    """Decisions for rows ``x`` and one label each; returns the feedback ids in the order sent."""
+    records = [
+        DecisionRecord(f"r{start + i}", "card", '{"fraud": "v"}', x[i].astype(np.float32), COLUMNS)
+        for i in range(len(x))
+    ]
+    log.record_decisions(records)
+    ids = []
+    for i in range(len(x)):
+        feedback_id = f"{prefix}-{start + i}"
+        assert not log.record_feedback(f"r{start + i}", int(y[i]), feedback_id, "bank").duplicate
+        ids.append(feedback_id)
+    return ids
+
+
+def _settings(**overrides: object) -> OnlineLearningSpec:
+    values: dict[str, object] = {
+        "batch_size": 32,
+        "interval_ms": 60_000,
+        "holdout_every": 4,
+        "min_holdout_rows": 20,
+        "max_logloss_increase": 0.5,
+        "max_coef_step": 100.0,
+        "max_golden_shift": 1.0,
+    }
+    return OnlineLearningSpec.model_validate(values | overrides)
+
+
+def _reference(
+    base: LinearSnapshot, x: np.ndarray, y: np.ndarray, ids: list[str], spec: OnlineLearningSpec
+) -> str:
+    """The version one pass of mini-batches gives, computed without the log or the learner."""
+    snapshot = base
+    for start in range(0, len(x), spec.batch_size):
+        chunk = slice(start, start + spec.batch_size)
+        train = np.array([not is_holdout(f, spec.holdout_every) for f in ids[chunk]])
+        if train.any():
+            snapshot = train_step(
+                snapshot, x[chunk][train], y[chunk][train].astype(np.int64), update_scaler=spec.update_scaler
+            )
+    return snapshot.version
+
+
+def test_every_label_is_applied_once_across_a_crash_before_the_commit(
+    data: TabularData, base_artifact: Path, tmp_path: Path
+) -> None:
+    spec = _settings()
+    x, y = data.x_test[:320], data.y_test[:320]
+    log = FeedbackLog(tmp_path / "log.sqlite")
+    ids = _record(log, x, y)
+    learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned")
+    learner.adopt(base_artifact)
+    for _ in range(4):
+        assert learner.step() is not None
+
+    real_mark = log.mark_applied
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise SystemExit("killed between writing the artifact and the commit")
+
+    log.mark_applied = crash  # type: ignore[method-assign]  # fault injected: a crash before the commit
+    with pytest.raises(SystemExit):
+        learner.step()
+    log.mark_applied = real_mark  # type: ignore[method-assign]
+    log.close()
+
+    reopened = FeedbackLog(tmp_path / "log.sqlite")  # a new process: only what was committed survives
+    restarted = OnlineLearner(reopened, "fraud", spec, tmp_path / "learned")
+    while restarted.step() is not None:
+        pass
+    cursor = reopened.cursor("fraud")
+    assert cursor.last_seq == 320
+    assert reopened.pending_count("fraud") == 0
+    expected = _reference(load_version(base_artifact).snapshot, x, y, ids, spec)
+    assert cursor.version == expected
+    assert load_version(cursor.artifact or "").version == expected  # the artifact on disk verifies
+    reports = restarted.reports()
+    assert [r.last_seq for r in reports] == list(range(32, 321, 32))
+    assert sum(r.trained_rows + r.holdout_rows for r in reports) == 320
+    assert all(r.outcome == "applied" for r in reports)
+
+    # Replaying every feedback id changes nothing: all duplicates, same cursor, nothing pending.
+    for i, feedback_id in enumerate(ids):
+        assert reopened.record_feedback(f"r{i}", int(y[i]), feedback_id, "bank").duplicate
+    assert restarted.step(force=True) is None
+    assert reopened.cursor("fraud") == cursor
+
+
+def test_held_out_labels_never_train_and_are_chosen_by_a_stable_hash() -> None:
+    ids = [f"fb-{i}" for i in range(4000)]
+    held = [f for f in ids if is_holdout(f, 5)]
+    assert 0.17 < len(held) / len(ids) < 0.23
+    assert held == [f for f in ids if is_holdout(f, 5)]
+    assert not any(is_holdout(f, 0) for f in ids)
+
+
+def test_a_partial_batch_waits_for_its_interval(
+    data: TabularData, base_artifact: Path, tmp_path: Path
+) -> None:
+    clock = Clock()
+    log = FeedbackLog(tmp_path / "log.sqlite", clock=clock)
+    _record(log, data.x_test[:10], data.y_test[:10])
+    learner = OnlineLearner(log, "fraud", _settings(interval_ms=2000), tmp_path / "learned", clock=clock)
+    learner.adopt(base_artifact)
+    assert learner.step() is None
+    assert log.pending_count("fraud") == 10
+    clock.now += 2.5
+    report = learner.step()
+    assert report is not None
+    assert report.rows == 10
+    assert log.pending_count("fraud") == 0
+
+
+def test_flipped_labels_are_reverted_on_the_held_out_window(
+    data: TabularData, base_artifact: Path, tmp_path: Path
+) -> None:
+    spec = _settings(batch_size=1000, max_logloss_increase=0.005, min_holdout_rows=50)
+    log = FeedbackLog(tmp_path / "log.sqlite")
+    learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned")
+    learner.adopt(base_artifact)
+    _record(log, data.x_test[:2000], data.y_test[:2000])  # honest labels fill the held-out window
+    honest = [learner.step(), learner.step()]
+    assert [r.outcome for r in honest if r is not None] == ["applied", "applied"]
+    served = log.cursor("fraud").version
+    window_before = len(log.holdout_window("fraud", COLUMNS, 10_000))
+    # A poisoner sends the opposite of the truth for a whole mini-batch.
+    _record(log, data.x_test[2000:3000], 1 - data.y_test[2000:3000], start=2000, prefix="poison")
+    report = learner.step()
+    assert report is not None
+    assert report.outcome == "reverted", report
+    assert "held-out log-loss" in report.reason
+    assert report.logloss_after is not None
+    assert report.logloss_before is not None
+    assert report.logloss_after > report.logloss_before + 0.005
+    assert report.version == served
+    assert log.cursor("fraud").version == served
+    assert log.cursor("fraud").last_seq == 3000
+    assert log.pending_count("fraud") == 0
+    assert len(log.holdout_window("fraud", COLUMNS, 10_000)) == window_before  # ... its holdouts are not kept
+
+
+def test_one_batch_moves_the_coefficients_at_most_max_coef_step(
+    data: TabularData, base_artifact: Path, tmp_path: Path
+) -> None:
+    spec = _settings(batch_size=256, max_coef_step=0.05, holdout_every=0, max_logloss_increase=10.0)
+    log = FeedbackLog(tmp_path / "log.sqlite")
+    learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned")
+    base = learner.adopt(base_artifact)
+    _record(log, data.x_test[:256], 1 - data.y_test[:256])  # a whole batch of flipped labels
+    report = learner.step()
+    assert report is not None
+    assert report.outcome == "applied"
+    assert report.clipped
+    assert report.coef_step > 0.05
+    after = load_version(report.artifact).snapshot
+    moved = np.append(after.coef, after.params.intercept) - np.append(
+        base.snapshot.coef, base.snapshot.params.intercept
+    )
+    assert float(np.linalg.norm(moved)) == pytest.approx(0.05, rel=1e-9)
+
+
+def test_cap_step_leaves_a_small_step_alone(data: TabularData, base_artifact: Path) -> None:
+    base = load_version(base_artifact).snapshot
+    step = train_step(base, data.x_test[:8], data.y_test[:8], update_scaler=False)
+    same, norm, clipped = cap_step(base, step, cap=1e6)
+    assert same is step
+    assert not clipped
+    assert norm > 0
+
+
+def test_a_source_over_its_rate_is_refused_by_name_and_others_are_not() -> None:
+    clock = Clock()
+    limiter = SourceRateLimiter(rate_per_s=2, burst=3, clock=clock)
+    for _ in range(3):
+        limiter.take("analyst:eve")
+    with pytest.raises(Overloaded, match="analyst:eve"):
+        limiter.take("analyst:eve")
+    limiter.take("chargebacks")  # another source has its own bucket
+    clock.now += 0.5  # one token back at 2/s
+    limiter.take("analyst:eve")
+    with pytest.raises(Overloaded):
+        limiter.take("analyst:eve")
+
+
+def test_the_recorder_keeps_decisions_while_the_log_is_unreachable_and_drops_past_its_bound() -> None:
+    sent: list[str] = []
+    failing = [True]
+
+    async def send(records: list[DecisionRecord]) -> None:
+        if failing[0]:
+            raise ConnectionError("feedback service restarting")
+        sent.extend(r.request_id for r in records)
+
+    def record(i: int) -> DecisionRecord:
+        return DecisionRecord(f"r{i}", "card", "{}", np.zeros(2, np.float32), ("a", "b"))
+
+    async def scenario() -> DecisionRecorder:
+        recorder = DecisionRecorder(send, flush_s=0.01, max_rows=5)
+        recorder.add([record(i) for i in range(4)])
+        with pytest.raises(ConnectionError):
+            await recorder.flush()
+        assert recorder.buffered == 4
+        recorder.add([record(i) for i in range(4, 7)])  # 7 > 5: the two oldest go
+        failing[0] = False
+        await recorder.flush()
+        return recorder
+
+    recorder = asyncio.run(scenario())
+    assert sent == ["r2", "r3", "r4", "r5", "r6"]
+    assert recorder.dropped == 2
+    assert recorder.buffered == 0
+
+
+def test_a_version_1_log_is_upgraded_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite"
+    with closing(sqlite3.connect(path)) as db:
+        db.executescript(
+            "CREATE TABLE schema_version (version INTEGER NOT NULL); INSERT INTO schema_version VALUES (1);"
+            "CREATE TABLE cursor (model TEXT PRIMARY KEY, last_seq INTEGER NOT NULL, version TEXT,"
+            " updated_at REAL NOT NULL); INSERT INTO cursor VALUES ('fraud', 0, 'v0', 1.0);"
+        )
+    with FeedbackLog(path) as log:
+        assert log.cursor("fraud").version == "v0"
+        assert log.cursor("fraud").artifact is None
+        assert log.adopt("fraud", "v1", "/models/v1").artifact == "/models/v1"
+    with closing(sqlite3.connect(path)) as db:
+        assert db.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
