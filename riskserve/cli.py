@@ -100,6 +100,25 @@ def _describe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _feedback(args: argparse.Namespace) -> int:
+    from riskserve.pipelines.client import RiskClient
+
+    with RiskClient(_target(args), pipeline=args.pipeline, timeout_s=args.timeout) as client:
+        ack = client.feedback(
+            request_id=args.request_id, label=args.label, feedback_id=args.feedback_id, source=args.source
+        )
+    what = "duplicate (already recorded, applied once)" if ack.duplicate else "recorded (durable)"
+    print(f"feedback {args.feedback_id}: {what}, seq {ack.seq}, model version {ack.model_version}")
+    return 0
+
+
+def _learning(args: argparse.Namespace) -> int:
+    from riskserve.pipelines.swap import learning_status
+
+    print(json.dumps(learning_status(args.pipeline), indent=2))
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     from riskserve.pipelines.status import print_status
 
@@ -181,6 +200,19 @@ def _parser() -> argparse.ArgumentParser:
                 "--json", required=True, help='fields, e.g. \'{"amount": 12.5, "channel": "pos"}\''
             )
         command.set_defaults(handler=handler)
+
+    feedback = commands.add_parser("feedback", help="report the true outcome of a past decision (gRPC)")
+    feedback.add_argument("--pipeline", required=True)
+    feedback.add_argument("--request-id", required=True, help="the decision's request_id")
+    feedback.add_argument("--label", required=True, type=int, help="1: it was fraud, 0: it was not")
+    feedback.add_argument("--feedback-id", required=True, help="idempotency key: a retry is applied once")
+    feedback.add_argument("--source", default="cli", help="who reports it (rate limited per source)")
+    feedback.add_argument("--target", help="HOST:PORT of the gRPC endpoint (default: the local riskserve)")
+    feedback.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    feedback.set_defaults(handler=_feedback)
+    learning = commands.add_parser("learning", help="online learning of a pipeline: cursor, batches, errors")
+    learning.add_argument("pipeline")
+    learning.set_defaults(handler=_learning)
 
     commands.add_parser("status", help="pipelines, models, versions, replicas, health").set_defaults(
         handler=_status

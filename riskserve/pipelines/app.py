@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve import Application
 
 from riskserve.features.stage import FeatureStage
+from riskserve.learning.service import FeedbackService
 from riskserve.pipelines.ingress import PipelineIngress
 from riskserve.pipelines.pools import actor_options, check_pools
 from riskserve.pipelines.spec import PipelineSpec, StageSpec, load_pipeline
@@ -43,8 +44,12 @@ class AppArgs(_Schema):
 
 
 def deployment_names(spec: PipelineSpec) -> dict[str, str]:
-    """Serve deployment name of each stage: ``features``, ``ingress`` and ``model-<name>``."""
-    return {"features": "features", "ingress": "ingress", **{m: f"model-{m}" for m in spec.models}}
+    """Serve deployment name of each stage: ``features``, ``ingress``, ``model-<name>`` and, with
+    feedback, ``feedback``."""
+    names = {"features": "features", "ingress": "ingress", **{m: f"model-{m}" for m in spec.models}}
+    if spec.feedback is not None:
+        names["feedback"] = "feedback"
+    return names
 
 
 @functools.cache
@@ -125,9 +130,15 @@ def build_application(
         args = (name, model.kind, dict(model.settings), columns, declared, data["tracing"])
         versioned = _versioned(deployment, _version(names[name], args))
         models[name] = versioned.options(user_config={"artifact": str(artifact)}).bind(*args)
+    feedback = None
+    if spec.feedback is not None:
+        # One replica: it is the only writer of the SQLite log and the only learner of each model.
+        stage = StageSpec(pool=spec.feedback.pool, num_cpus=spec.feedback.num_cpus, replicas=1)
+        learners = {name: models[name] for name in spec.online_models()}
+        feedback = _stage(FeedbackService, names["feedback"], spec, stage, data).bind(data, learners)
     ingress_deployment = _stage(PipelineIngress, names["ingress"], spec, spec.serving.ingress, data)
     ingress: Application = ingress_deployment.options(user_config={"draining": draining}).bind(
-        data, features, models
+        data, features, models, feedback
     )
     return ingress
 

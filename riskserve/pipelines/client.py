@@ -137,9 +137,20 @@ class RiskClient:
         return response
 
     def feedback(
-        self, *, request_id: str, label: int, feedback_id: str, timeout_s: float | None = None
+        self,
+        *,
+        request_id: str,
+        label: int,
+        feedback_id: str,
+        source: str = "",
+        timeout_s: float | None = None,
     ) -> pb.FeedbackResponse:
-        """Report the true outcome of a past decision."""
-        request = pb.FeedbackRequest(request_id=request_id, label=label, feedback_id=feedback_id)
+        """Report the true outcome of a past decision; returns once the label is durable.
+
+        Safe to retry with the same ``feedback_id`` (the answer then says ``duplicate``).
+        """
+        request = pb.FeedbackRequest(
+            request_id=request_id, label=label, feedback_id=feedback_id, source=source
+        )
         response: pb.FeedbackResponse = self._call(self._stub.Feedback, request, timeout_s, ())
         return response

@@ -9,22 +9,26 @@ or runs past its ``timeout_ms`` is replaced by its YAML fallback, so the pipelin
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import Any
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2
 from ray.serve.exceptions import BackPressureError
 
 from riskserve.features.stage import StageResult
+from riskserve.learning.feedback_log import DecisionRecord
+from riskserve.learning.recorder import DecisionRecorder
 from riskserve.pipelines.grpc_status import set_status
 from riskserve.pipelines.messages import decide_response, describe_response, raw_request
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.rules import DecisionEngine, ModelResult
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.breaker import BreakerSettings, CircuitBreaker
-from riskserve.platform.errors import DeadlineExceeded, InvalidInput
+from riskserve.platform.errors import DeadlineExceeded, InvalidInput, ModelUnavailable
 from riskserve.platform.metrics import FallbackReason, ModelMetrics, PipelineMetrics
 from riskserve.platform.replica import ReplicaAnswer
 from riskserve.platform.tracing import (
@@ -51,6 +55,8 @@ WATCH_INTERVAL_S = 1.0
 SERVICE_NAME = "riskserve.v1.RiskPipeline"
 DEADLINE_METADATA = "riskserve-timeout-ms"
 """Metadata key with the caller's remaining time budget in ms (Ray's proxy hides the gRPC deadline)."""
+FEEDBACK_FLUSH_TIMEOUT_S = 5.0
+"""How long ``Feedback`` waits for this replica's buffered decisions to reach the log."""
 
 
 def _deadline(context: Any, default_ms: float) -> float:
@@ -70,7 +76,9 @@ def _deadline(context: Any, default_ms: float) -> float:
 class PipelineIngress:
     """Serve deployment behind the gRPC proxy; one per pipeline (Serve application)."""
 
-    def __init__(self, spec: dict[str, Any], features: Any, models: dict[str, Any]) -> None:
+    def __init__(
+        self, spec: dict[str, Any], features: Any, models: dict[str, Any], feedback: Any = None
+    ) -> None:
         self._spec = PipelineSpec.model_validate(spec)
         configure_tracing(self._spec.tracing)
         self._engine = DecisionEngine(self._spec)
@@ -80,6 +88,14 @@ class PipelineIngress:
         self._model_metrics = {name: ModelMetrics(name, m.kind) for name, m in self._spec.models.items()}
         self._breakers = {name: self._breaker(name) for name in self._spec.models}
         self._draining = False
+        self._feedback = feedback
+        self._recorder: DecisionRecorder | None = None
+        if feedback is not None and self._spec.feedback is not None:
+            self._recorder = DecisionRecorder(
+                lambda records: _result(feedback.record_decisions.remote(records)),
+                flush_s=self._spec.feedback.flush_ms / 1e3,
+                max_rows=self._spec.feedback.buffer_rows,
+            )
 
     def _breaker(self, name: str) -> CircuitBreaker:
         model = self._spec.models[name]
@@ -152,11 +168,53 @@ class PipelineIngress:
     async def Feedback(  # noqa: N802
         self, request: pb.FeedbackRequest, grpc_context: Any = None
     ) -> pb.FeedbackResponse:
-        """Labels for online learning arrive with the hot-swap and online-learning work; not served yet."""
-        if grpc_context is not None:
-            grpc_context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-            grpc_context.set_details("Feedback is not implemented by this pipeline yet")
-        return pb.FeedbackResponse()
+        """Record the true outcome of a past decision; answered only once the label is durable.
+
+        A retried ``feedback_id`` answers ``duplicate=true`` and is applied once. Errors: no such decision
+        (NOT_FOUND), label not 0/1 or empty ids (INVALID_ARGUMENT, field named), the id reused for another
+        label (ABORTED), the source over its rate (RESOURCE_EXHAUSTED), the log unreachable (UNAVAILABLE).
+        """
+        try:
+            if self._feedback is None or self._recorder is None:
+                if grpc_context is not None:
+                    grpc_context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+                    grpc_context.set_details(
+                        f"pipeline '{self._spec.name}' keeps no feedback (its YAML has no 'feedback' section)"
+                    )
+                return pb.FeedbackResponse()
+            if request.label not in (0, 1):
+                raise InvalidInput(f"must be 0 or 1, got {request.label}", field="label")
+            try:  # a label sent right after its decision must find it: send this replica's buffer first
+                await asyncio.wait_for(self._recorder.flush(), timeout=FEEDBACK_FLUSH_TIMEOUT_S)
+            except Exception as error:
+                raise ModelUnavailable(f"the feedback log is unreachable: {error}") from error
+            try:
+                ack = await self._feedback.record_feedback.remote(
+                    request.request_id, int(request.label), request.feedback_id, request.source
+                )
+            except Exception as error:
+                cause = getattr(error, "cause", error)
+                if isinstance(cause, Exception) and hasattr(cause, "grpc_status"):
+                    raise cause from error
+                raise ModelUnavailable(f"the feedback log is unreachable: {error}") from error
+        except Exception as error:
+            self._failed(error, None, grpc_context)
+            return pb.FeedbackResponse()
+        return pb.FeedbackResponse(
+            accepted=ack["accepted"],
+            duplicate=ack["duplicate"],
+            model_version=ack["model_version"],
+            seq=ack["seq"],
+        )
+
+    async def learning_status(self) -> dict[str, Any]:
+        """The feedback service's status (cursor, pending labels, batch outcomes per online model)."""
+        if self._feedback is None:
+            raise InvalidInput(f"pipeline '{self._spec.name}' has no feedback section", field="feedback")
+        status: dict[str, Any] = await self._feedback.status.remote()
+        status["decisions_buffered"] = self._recorder.buffered if self._recorder else 0
+        status["decisions_dropped"] = self._recorder.dropped if self._recorder else 0
+        return status
 
     async def Check(  # noqa: N802
         self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None
@@ -245,8 +303,26 @@ class PipelineIngress:
                     trace_id=trace_id,
                 )
             )
+        if self._recorder is not None:
+            await self._record(ids, stage, names, per_model)
         self._metrics.decision_latency(time.perf_counter() - started)
         return responses
+
+    async def _record(
+        self, ids: list[str], stage: StageResult, names: list[str], per_model: list[list[ModelResult]]
+    ) -> None:
+        """Buffer what each decision's models saw, for the feedback log (written off the request path)."""
+        assert self._recorder is not None
+        matrix: np.ndarray = await stage.shared.ref
+        columns = tuple(stage.shared.columns)
+        records = []
+        for i, request_id in enumerate(ids):
+            versions = json.dumps(
+                {name: rows[i].version for name, rows in zip(names, per_model, strict=True)}
+            )
+            features = np.array(matrix[i], dtype=np.float32)
+            records.append(DecisionRecord(request_id, self._spec.name, versions, features, columns))
+        self._recorder.add(records)
 
     async def _call_model(self, name: str, stage: StageResult, deadline: float) -> list[ModelResult]:
         """One model's results for the batch, in a ``riskserve.model`` span (version, fallback and reason)."""

@@ -57,7 +57,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from riskserve.pipelines.spec import PipelineSpec, PoolSpec
+from riskserve.pipelines.spec import PipelineSpec, PoolSpec, StageSpec
 from riskserve.platform.errors import ConfigError
 
 __all__ = [
@@ -96,7 +96,7 @@ class Placement:
 
     pipeline: str
     deployment: str
-    """The model's name, ``features`` or ``ingress``."""
+    """The model's name, ``features``, ``ingress`` or ``feedback``."""
     path: str
     """Where it is set in the YAML: ``models.<name>`` or ``serving.features`` / ``serving.ingress``."""
     replicas: int
@@ -179,14 +179,16 @@ def _placements(spec: PipelineSpec) -> Iterable[tuple[str, Placement]]:
                 memory_gb=_memory_gb(model),
             ),
         )
-    for stage_name in ("features", "ingress"):
-        stage = getattr(spec.serving, stage_name)
+    stages = {name: getattr(spec.serving, name) for name in ("features", "ingress")}
+    if spec.feedback is not None:
+        stages["feedback"] = StageSpec(pool=spec.feedback.pool, num_cpus=spec.feedback.num_cpus)
+    for stage_name, stage in stages.items():
         yield (
             spec.stage_pool(stage),
             Placement(
                 pipeline=spec.name,
                 deployment=stage_name,
-                path=f"serving.{stage_name}",
+                path="feedback" if stage_name == "feedback" else f"serving.{stage_name}",
                 replicas=stage.replicas,
                 num_cpus=stage.num_cpus,
                 num_gpus=0.0,

@@ -23,10 +23,19 @@ from pathlib import Path
 from typing import Any
 
 from riskserve.pipelines.local import LOOPBACK_RAY_ENV, LocalState, read_state, state_dir
+from riskserve.pipelines.publish import publish_artifacts
 from riskserve.pipelines.spec import PipelineSpec, load_pipeline
-from riskserve.platform.errors import Conflict, ModelLoadError, NotFound, RiskServeError
+from riskserve.platform.errors import Conflict, InvalidInput, ModelLoadError, NotFound, RiskServeError
 
-__all__ = ["SwapResult", "artifact_overrides", "rollback", "rollback_model", "swap", "swap_model"]
+__all__ = [
+    "SwapResult",
+    "artifact_overrides",
+    "learning_status",
+    "rollback",
+    "rollback_model",
+    "swap",
+    "swap_model",
+]
 
 
 @dataclass(frozen=True)
@@ -118,15 +127,14 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
     """
     from ray import serve
 
-    from riskserve.pipelines.app import build_application
-
     pipeline = spec.name
     if model not in spec.models:
         raise NotFound(f"pipeline '{pipeline}' has no model '{model}' (models: {', '.join(spec.models)})")
     path = str(Path(artifact).resolve())
     with _exclusive(pipeline, model):
         handle = serve.get_deployment_handle(f"model-{model}", app_name=pipeline)
-        old_version = str(handle.metadata.remote().result()["version"])
+        serving = handle.metadata.remote().result()
+        old_version, old_artifact = str(serving["version"]), str(serving["artifact"])
         try:
             candidate = handle.verify_candidate.remote(path).result()
         except Exception as error:
@@ -136,21 +144,33 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
             raise
         history = _history()
         models = history.setdefault(pipeline, {})
-        previous = models.get(model) or [str(spec.artifact_path(model))]
+        previous = models.get(model) or []
+        if not previous or previous[-1] != old_artifact:  # e.g. a version the online learner published
+            previous = [*previous, old_artifact]
         started = time.monotonic()
-        overrides = {**artifact_overrides(pipeline), model: path}
-        serve.run(build_application(spec, artifacts=overrides), name=pipeline, route_prefix=f"/{pipeline}")
+        _adopt(spec, model, path)
+        publish_artifacts(spec, {model: path})
         answers = _serving(handle, probes=3 * spec.models[model].replicas)
         stale = [a for a in answers if a["version"] != candidate["version"]]
         if stale:  # a replica refused the flip: put the previous artifact back everywhere
-            back = {**overrides, model: previous[-1]}
-            serve.run(build_application(spec, artifacts=back), name=pipeline, route_prefix=f"/{pipeline}")
+            _adopt(spec, model, old_artifact)
+            publish_artifacts(spec, {model: old_artifact})
             raise ModelLoadError(f"a replica refused the swap ({stale[0]['last_swap_error']}); rolled back")
         models[model] = [*previous, path]
         _save_history(history)
         return SwapResult(
             pipeline, model, old_version, str(candidate["version"]), path, time.monotonic() - started
         )
+
+
+def _adopt(spec: PipelineSpec, model: str, artifact: str) -> None:
+    """Tell the online learner (if the model learns) to train later labels on ``artifact``."""
+    if spec.models[model].online is None:
+        return
+    from ray import serve
+
+    feedback = serve.get_deployment_handle("feedback", app_name=spec.name)
+    feedback.adopt.remote(model, artifact).result()
 
 
 def rollback(spec: PipelineSpec, model: str) -> SwapResult:
@@ -192,3 +212,21 @@ def rollback_model(pipeline: str, model: str, *, state: LocalState | None = None
     state, spec = _local(pipeline, state)
     with _connected(state):
         return rollback(spec, model)
+
+
+def learning_status(pipeline: str, *, state: LocalState | None = None) -> dict[str, Any]:
+    """The online learner of a local pipeline: cursor, pending labels, batch outcomes per model.
+
+    Raises:
+        NotFound: the pipeline is not running. InvalidInput: it has no ``feedback`` section.
+    """
+    state, spec = _local(pipeline, state)
+    if spec.feedback is None:
+        raise InvalidInput(f"pipeline '{pipeline}' has no feedback section", field="feedback")
+    with _connected(state):
+        from ray import serve
+
+        status: dict[str, Any] = (
+            serve.get_deployment_handle("feedback", app_name=pipeline).status.remote().result(timeout_s=30)
+        )
+        return status

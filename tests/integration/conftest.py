@@ -13,6 +13,7 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 
 import copy
 import socket
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,8 @@ def pipeline_on(yaml_name: str, models: Path, **overrides: Any) -> PipelineSpec:
         model["artifact"] = str(models / model_name)
         model["timeout_ms"] = GENEROUS_TIMEOUT_MS
     data.setdefault("serving", {})["decision_timeout_ms"] = GENEROUS_TIMEOUT_MS
+    if "feedback" in data:  # every deployment of a test gets a log of its own, never one in the repo
+        data["feedback"]["log_path"] = str(Path(tempfile.mkdtemp(prefix="feedback-")) / "log.sqlite")
     data.update(overrides)
     return parse_pipeline(data, base_dir=PIPELINES, source=yaml_name)
 

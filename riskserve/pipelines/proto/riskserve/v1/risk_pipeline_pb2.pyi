@@ -142,21 +142,25 @@ class DescribeResponse(_message.Message):
     def __init__(self, pipeline: _Optional[str] = ..., version: _Optional[str] = ..., features: _Optional[_Iterable[_Union[FeatureInfo, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class FeedbackRequest(_message.Message):
-    __slots__ = ("request_id", "label", "feedback_id")
+    __slots__ = ("request_id", "label", "feedback_id", "source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     label: int
     feedback_id: str
-    def __init__(self, request_id: _Optional[str] = ..., label: _Optional[int] = ..., feedback_id: _Optional[str] = ...) -> None: ...
+    source: str
+    def __init__(self, request_id: _Optional[str] = ..., label: _Optional[int] = ..., feedback_id: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class FeedbackResponse(_message.Message):
-    __slots__ = ("accepted", "duplicate", "model_version")
+    __slots__ = ("accepted", "duplicate", "model_version", "seq")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     duplicate: bool
     model_version: str
-    def __init__(self, accepted: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., model_version: _Optional[str] = ...) -> None: ...
+    seq: int
+    def __init__(self, accepted: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., model_version: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,226 @@
+"""The feedback service: one Serve deployment per pipeline that owns its feedback log and learners.
+
+It is the only process that opens the SQLite file (so the ingress replicas may run on any node), it
+admits labels (rate limit per source, then a durable commit before the answer), and a background thread
+runs each online model's :class:`~riskserve.learning.learner.OnlineLearner` and publishes every new
+version to **all** replicas of the model at once, through the model deployment's Serve ``user_config``
+(the same path as a hot swap). The cursor in the log names the version that should serve; whenever the
+model serves another one (a restart of Ray redeployed the YAML artifact, a crash fell between the commit
+and the publish), the service publishes the cursor's version again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
+from riskserve.learning.learner import BatchReport, OnlineLearner
+from riskserve.learning.rate_limit import SourceRateLimiter
+from riskserve.pipelines.spec import PipelineSpec
+from riskserve.platform.errors import ConfigError, ModelUnavailable
+
+__all__ = ["FeedbackService"]
+
+logger = logging.getLogger(__name__)
+
+WAKE_S = 0.25
+"""The learner thread looks for due mini-batches at least this often (a new label wakes it at once)."""
+PROBE_S = 5.0
+"""How often the serving version is compared with the cursor's when nothing else happens."""
+PURGE_S = 600.0
+ERROR_BACKOFF_S = 2.0
+
+
+class FeedbackService:
+    """Serve deployment: ``record_decisions``, ``record_feedback``, ``status``; learns in a thread."""
+
+    def __init__(self, spec: dict[str, Any], models: dict[str, Any]) -> None:
+        self._spec = PipelineSpec.model_validate(spec)
+        feedback = self._spec.feedback
+        if feedback is None:
+            raise ConfigError(f"pipeline '{self._spec.name}' has no feedback section")
+        path = self._spec.feedback_log_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = FeedbackLog(path, retention_s=feedback.retention_hours * 3600)
+        self._limiter = SourceRateLimiter(feedback.source_rate_per_s, feedback.source_burst)
+        self._models = models
+        self._learners: dict[str, OnlineLearner] = {}
+        for name in self._spec.online_models():
+            online = self._spec.models[name].online
+            assert online is not None
+            self._log.register_model(name)
+            self._learners[name] = OnlineLearner(self._log, name, online, self._spec.learned_dir(name))
+        self._published: dict[str, str] = {}
+        self._probed: dict[str, float] = {}
+        self._counts: dict[str, dict[str, int]] = {name: {} for name in self._learners}
+        self._last_report: dict[str, BatchReport] = {}
+        self._last_error: dict[str, str] = {}
+        self._publish_seconds: dict[str, float] = {}
+        self._cycle_lock = threading.Lock()  # one step, adoption or publish at a time
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="riskserve-learner", daemon=True)
+        self._thread.start()
+
+    # -- called by the ingress ------------------------------------------------------------------------
+
+    async def record_decisions(self, records: list[DecisionRecord]) -> int:
+        """Keep decisions (one commit); returns how many were new or unchanged."""
+        conflicts = await asyncio.to_thread(self._log.record_decisions, records)
+        if conflicts:
+            logger.warning("%d decisions were already recorded with another payload", len(conflicts))
+        return len(records) - len(conflicts)
+
+    async def record_feedback(
+        self, request_id: str, label: int, feedback_id: str, source: str
+    ) -> dict[str, Any]:
+        """Admit one label: rate limit (a retry is never limited), commit durably, then answer.
+
+        Raises:
+            Overloaded: the source is over its rate. InvalidInput, NotFound, Conflict: see the log.
+        """
+        return await asyncio.to_thread(self._record_feedback, request_id, label, feedback_id, source)
+
+    def _record_feedback(self, request_id: str, label: int, feedback_id: str, source: str) -> dict[str, Any]:
+        if not (isinstance(feedback_id, str) and feedback_id and self._log.seen(feedback_id)):
+            self._limiter.take(source)
+        ack = self._log.record_feedback(request_id, label, feedback_id, source)
+        if not ack.duplicate:
+            self._wake.set()
+        first = next(iter(self._learners), None)
+        version = self._log.cursor(first).version if first is not None else None
+        return {**asdict(ack), "model_version": version or ""}
+
+    # -- called by swaps and tools -------------------------------------------------------------------
+
+    async def adopt(self, model: str, artifact: str) -> str:
+        """Train later labels on ``artifact`` (a hot swap of an online model); returns its version."""
+        learner = self._learner(model)
+
+        def adopt() -> str:
+            with self._cycle_lock:  # not between a step's read of its parent and its commit
+                version = learner.adopt(artifact)
+                self._published[model] = version.version
+                return version.version
+
+        return await asyncio.to_thread(adopt)
+
+    async def learn_now(self, model: str) -> dict[str, Any] | None:
+        """Apply the pending labels now, even a partial mini-batch (drills, demos); publish the result."""
+        report = await asyncio.to_thread(self._cycle, model, True)
+        return None if report is None else report.model_dump(mode="json")
+
+    async def status(self) -> dict[str, Any]:
+        """Per online model: cursor, pending labels, batch outcomes, last report and error."""
+        return await asyncio.to_thread(self._status)
+
+    def _status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"log": str(self._log.path), "pid": os.getpid(), "models": {}}
+        for name in self._learners:
+            cursor = self._log.cursor(name)
+            last = self._last_report.get(name)
+            out["models"][name] = {
+                "last_seq": cursor.last_seq,
+                "version": cursor.version,
+                "artifact": cursor.artifact,
+                "pending": self._log.pending_count(name),
+                "batches": dict(self._counts[name]),
+                "last_report": None if last is None else last.model_dump(mode="json"),
+                "last_error": self._last_error.get(name, ""),
+                "last_publish_s": self._publish_seconds.get(name),
+            }
+        return out
+
+    def check_health(self) -> None:
+        """Serve's liveness probe: the learner thread must be running."""
+        if not self._thread.is_alive():
+            raise ModelUnavailable("the online-learning thread has stopped")
+
+    def __del__(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    # -- the learner thread ----------------------------------------------------------------------------
+
+    def _learner(self, model: str) -> OnlineLearner:
+        learner = self._learners.get(model)
+        if learner is None:
+            raise ConfigError(f"model '{model}' does not learn online (no 'online' section)")
+        return learner
+
+    def _run(self) -> None:
+        purged_at = time.monotonic()
+        while not self._stop.is_set():
+            self._wake.wait(WAKE_S)
+            self._wake.clear()
+            failed = False
+            for name in self._learners:
+                try:
+                    self._cycle(name, False)
+                    self._last_error.pop(name, None)
+                except Exception as error:
+                    failed = True
+                    self._last_error[name] = f"{type(error).__name__}: {error}"
+                    logger.exception("online learning of '%s' failed; retrying", name)
+            if time.monotonic() - purged_at > PURGE_S:
+                purged_at = time.monotonic()
+                self._log.purge_expired()
+            if failed:
+                self._stop.wait(ERROR_BACKOFF_S)
+
+    def _cycle(self, name: str, force: bool) -> BatchReport | None:
+        """Make the model serve the cursor's version, then apply one due mini-batch and publish it."""
+        with self._cycle_lock:
+            return self._cycle_locked(name, force)
+
+    def _cycle_locked(self, name: str, force: bool) -> BatchReport | None:
+        learner = self._learner(name)
+        self._reconcile(name, learner)
+        report = learner.step(force=force)
+        if report is None:
+            return None
+        self._last_report[name] = report
+        counts = self._counts[name]
+        counts[report.outcome] = counts.get(report.outcome, 0) + 1
+        if report.changed:
+            self._publish(name, report.version, report.artifact)
+        return report
+
+    def _reconcile(self, name: str, learner: OnlineLearner) -> None:
+        cursor = self._log.cursor(name)
+        due = time.monotonic() - self._probed.get(name, 0.0) > PROBE_S
+        known = cursor.version is not None and cursor.artifact is not None
+        if known and not due and self._published.get(name) == cursor.version:
+            return
+        served = self._models[name].metadata.remote().result(timeout_s=30)
+        self._probed[name] = time.monotonic()
+        if cursor.version is None or cursor.artifact is None:
+            learner.adopt(served["artifact"])  # the first version seen is where learning starts
+            self._published[name] = str(served["version"])
+            return
+        if served["version"] == cursor.version:
+            self._published[name] = cursor.version
+            return
+        logger.info("'%s' serves %s, the log says %s: publishing it", name, served["version"], cursor.version)
+        self._publish(name, cursor.version, cursor.artifact)
+
+    def _publish(self, name: str, version: str, artifact: str) -> None:
+        """Serve ``artifact`` on every replica of the model (a Serve ``user_config`` update)."""
+        from riskserve.pipelines.publish import publish_artifacts
+
+        started = time.monotonic()
+        publish_artifacts(self._spec, {name: str(Path(artifact))})
+        self._publish_seconds[name] = time.monotonic() - started
+        served = self._models[name].metadata.remote().result(timeout_s=30)
+        if served["version"] != version:
+            raise ModelUnavailable(
+                f"published {version} but '{name}' serves {served['version']} ({served['last_swap_error']})"
+            )
+        self._published[name] = version

@@ -1,0 +1,40 @@
+"""Redeploy a running pipeline with some models' artifacts replaced, keeping every other one as it serves.
+
+Swaps, rollbacks and the online learner all publish this way: the new artifacts travel as the model
+deployments' Serve ``user_config``, which Serve applies to every running replica in place (``reconfigure``);
+deployments whose configuration is unchanged are not touched. The artifacts of the other models are read
+from their replicas, so two publishers never undo each other's models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from riskserve.pipelines.spec import PipelineSpec
+
+__all__ = ["live_artifacts", "publish_artifacts"]
+
+
+def _model_handle(spec: PipelineSpec, model: str) -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle(f"model-{model}", app_name=spec.name)
+
+
+def live_artifacts(spec: PipelineSpec) -> dict[str, str]:
+    """The artifact each model of the running pipeline serves now (asked of one replica each)."""
+    calls = {name: _model_handle(spec, name).metadata.remote() for name in spec.models}
+    return {name: str(call.result(timeout_s=30)["artifact"]) for name, call in calls.items()}
+
+
+def publish_artifacts(spec: PipelineSpec, overrides: dict[str, str]) -> None:
+    """Serve ``overrides`` (model -> artifact directory) and keep the other models' current artifacts.
+
+    Blocks until Serve reports the application running again (every replica reconfigured).
+    """
+    from ray import serve
+
+    from riskserve.pipelines.app import build_application
+
+    artifacts = {**live_artifacts(spec), **overrides}
+    serve.run(build_application(spec, artifacts=artifacts), name=spec.name, route_prefix=f"/{spec.name}")

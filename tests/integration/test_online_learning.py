@@ -1,0 +1,246 @@
+"""Online learning on real Ray Serve over real gRPC: Feedback -> durable log -> partial_fit -> every replica.
+
+The reference model is computed here, without the service: the same requests encoded by the pipeline's
+own feature encoder, cut into the same mini-batches in the order the labels were acknowledged.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from riskserve.demo.dataset import generate_transactions
+from riskserve.features.encoder import FeatureEncoder, RawRequest
+from riskserve.learning.learner import is_holdout, load_version
+from riskserve.pipelines.client import RiskClient
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+from riskserve.platform.errors import Conflict, InvalidInput, NotFound, Overloaded, RiskServeError
+from riskserve.wrappers.sklearn_model import LinearSnapshot, train_step
+
+from .conftest import GENEROUS_TIMEOUT_MS, PIPELINES, ServeCluster, deploy
+
+pytestmark = pytest.mark.slow
+
+APP = "learning"
+BATCH = 16
+HOLDOUT_EVERY = 4
+
+
+def _spec(models: Path) -> PipelineSpec:
+    data: dict[str, Any] = copy.deepcopy(yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text()))
+    data["name"] = APP
+    data["pools"] = {"cpu": {"cpus": 2}}
+    for name, model in data["models"].items():
+        model["artifact"] = str(models / name)
+        model["timeout_ms"] = GENEROUS_TIMEOUT_MS
+    data["models"]["fraud"]["replicas"] = 2
+    data["models"]["fraud"]["online"] = {
+        "batch_size": BATCH,
+        "interval_ms": 600_000,  # only full mini-batches: their boundaries are then known in advance
+        "holdout_every": HOLDOUT_EVERY,
+        "min_holdout_rows": 10_000,  # honest labels here; the revert is tested in tests/unit
+        "max_coef_step": 100.0,
+        "max_golden_shift": 1.0,
+    }
+    data["feedback"] = {
+        "log_path": str(Path(tempfile.mkdtemp(prefix="feedback-")) / "log.sqlite"),
+        "source_rate_per_s": 0.5,
+        "source_burst": 400,
+    }
+    data["serving"] = {"decision_timeout_ms": GENEROUS_TIMEOUT_MS}
+    return parse_pipeline(data, base_dir=PIPELINES, source="learning")
+
+
+def _request(row: dict[str, float | str], request_id: str) -> pb.DecideRequest:
+    numeric = {k: float(v) for k, v in row.items() if isinstance(v, float)}
+    categorical = {k: str(row[k]) for k in ("merchant_category", "channel")}
+    return pb.DecideRequest(request_id=request_id, numeric=numeric, categorical=categorical)
+
+
+class Labels:
+    """Requests decided over gRPC and the labels acknowledged for them, in acknowledgement order."""
+
+    def __init__(self, spec: PipelineSpec, client: RiskClient) -> None:
+        self.client = client
+        self.encoder = FeatureEncoder(spec.features)
+        self.tx = generate_transactions(400, seed=77)
+        self.requests: dict[str, pb.DecideRequest] = {}
+        self.acked: list[tuple[str, str, int]] = []  # (request_id, feedback_id, label)
+        self.seqs: dict[str, int] = {}
+
+    def decide(self, start: int, count: int) -> list[pb.DecideResponse]:
+        out = []
+        for i in range(start, start + count):
+            request = _request(self.tx.row(i), f"req-{i}")
+            self.requests[request.request_id] = request
+            out.append(self.client.decide_request(request))
+        return out
+
+    def send(self, start: int, count: int, *, retry_s: float = 0.0, source: str = "bank") -> None:
+        """Label decisions ``start..``; with ``retry_s``, retry each (same feedback_id) until acknowledged."""
+        for i in range(start, start + count):
+            request_id, feedback_id, label = f"req-{i}", f"fb-{i}", int(self.tx.is_fraud[i])
+            deadline = time.monotonic() + retry_s
+            while True:
+                try:
+                    ack = self.client.feedback(
+                        request_id=request_id, label=label, feedback_id=feedback_id, source=source
+                    )
+                    break
+                except RiskServeError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            assert ack.accepted
+            if not ack.duplicate:
+                self.acked.append((request_id, feedback_id, label))
+            self.seqs.setdefault(feedback_id, ack.seq)
+
+    def reference(self, base: LinearSnapshot) -> str:
+        """The version the acknowledged labels give, trained here in mini-batches of ``BATCH``."""
+        assert len(self.acked) % BATCH == 0
+        rows = [self.encoder.validate(_raw(self.requests[r])) for r, _, _ in self.acked]
+        matrix = self.encoder.encode(rows).matrix
+        labels = np.array([label for _, _, label in self.acked], dtype=np.int64)
+        train = np.array([not is_holdout(f, HOLDOUT_EVERY) for _, f, _ in self.acked])
+        snapshot = base
+        for start in range(0, len(self.acked), BATCH):
+            part = slice(start, start + BATCH)
+            keep = train[part]
+            snapshot = train_step(snapshot, matrix[part][keep], labels[part][keep], update_scaler=True)
+        return snapshot.version
+
+
+def _raw(request: pb.DecideRequest) -> RawRequest:
+    return RawRequest(numeric=dict(request.numeric), categorical=dict(request.categorical), text=request.text)
+
+
+def _feedback_status() -> dict[str, Any]:
+    from ray import serve
+
+    status: dict[str, Any] = (
+        serve.get_deployment_handle("feedback", app_name=APP).status.remote().result(timeout_s=60)
+    )
+    return status
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}: {_feedback_status()}")
+        time.sleep(0.25)
+
+
+def _fraud_versions(probes: int = 16) -> set[str]:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("model-fraud", app_name=APP)
+    return {str(handle.metadata.remote().result()["version"]) for _ in range(probes)}
+
+
+@pytest.fixture(scope="module")
+def learning(serve_cluster: ServeCluster, demo_models: Path) -> Iterator[tuple[PipelineSpec, Labels]]:
+    spec = _spec(demo_models)
+    deploy(spec)
+    with RiskClient(f"127.0.0.1:{serve_cluster.grpc_port}", pipeline=APP, timeout_s=30) as client:
+        yield spec, Labels(spec, client)
+
+
+def test_labels_are_learned_once_and_published_to_every_replica(
+    learning: tuple[PipelineSpec, Labels], demo_models: Path
+) -> None:
+    spec, labels = learning
+    base = load_version(demo_models / "fraud").snapshot
+    responses = labels.decide(0, 3 * BATCH)
+    assert {m.version for r in responses for m in r.models if m.model == "fraud"} == {base.version}
+    labels.send(0, 3 * BATCH)
+    assert [labels.seqs[f"fb-{i}"] for i in range(3 * BATCH)] == list(range(1, 3 * BATCH + 1))
+
+    _wait(lambda: _feedback_status()["models"]["fraud"]["last_seq"] == 3 * BATCH, 60, "three mini-batches")
+    expected = labels.reference(base)
+    status = _feedback_status()["models"]["fraud"]
+    assert status["version"] == expected
+    assert status["batches"] == {"applied": 3}
+    assert status["pending"] == 0
+    _wait(lambda: _fraud_versions() == {expected}, 30, "both fraud replicas on the learned version")
+    after = labels.decide(3 * BATCH, 4)
+    assert {m.version for r in after for m in r.models if m.model == "fraud"} == {expected}
+    credit = {m.version for r in after for m in r.models if m.model == "credit"}
+    assert credit == {m.version for m in responses[0].models if m.model == "credit"}  # untouched
+
+    # A replayed batch of feedback ids changes nothing: duplicates with their first seq, same version.
+    for i in range(3 * BATCH):
+        ack = labels.client.feedback(
+            request_id=f"req-{i}", label=int(labels.tx.is_fraud[i]), feedback_id=f"fb-{i}", source="bank"
+        )
+        assert ack.duplicate
+        assert ack.seq == labels.seqs[f"fb-{i}"]
+    time.sleep(1.0)
+    replayed = _feedback_status()["models"]["fraud"]
+    assert (replayed["last_seq"], replayed["version"], replayed["pending"]) == (3 * BATCH, expected, 0)
+    assert _fraud_versions() == {expected}
+
+
+def test_bad_feedback_gets_a_clear_status_and_records_nothing(learning: tuple[PipelineSpec, Labels]) -> None:
+    _, labels = learning
+    before = _feedback_status()["models"]["fraud"]
+    client = labels.client
+    with pytest.raises(InvalidInput, match="label"):
+        client.feedback(request_id="req-0", label=2, feedback_id="bad-1")
+    with pytest.raises(InvalidInput, match="feedback_id"):
+        client.feedback(request_id="req-0", label=1, feedback_id="")
+    with pytest.raises(NotFound, match="never-decided"):
+        client.feedback(request_id="never-decided", label=1, feedback_id="bad-2")
+    with pytest.raises(Conflict, match="fb-0"):  # the id was used for another label
+        client.feedback(request_id="req-0", label=1 - int(labels.tx.is_fraud[0]), feedback_id="fb-0")
+    after = _feedback_status()["models"]["fraud"]
+    assert (after["last_seq"], after["pending"]) == (before["last_seq"], before["pending"])
+
+
+def test_kill_9_of_the_feedback_service_loses_no_label(
+    learning: tuple[PipelineSpec, Labels], demo_models: Path
+) -> None:
+    _, labels = learning
+    start = 3 * BATCH
+    labels.decide(start + 4, 2 * BATCH)  # decisions 48..51 were made by the first test
+    pid = _feedback_status()["pid"]
+    labels.send(start, 5)
+    os.kill(pid, signal.SIGKILL)  # fault injected: the log's only writer dies mid-stream
+    labels.send(start + 5, 2 * BATCH - 5, retry_s=90)  # the client retries with the same ids until acked
+    _wait(lambda: _feedback_status()["pid"] != pid, 60, "the restarted feedback replica")
+    _wait(lambda: _feedback_status()["models"]["fraud"]["last_seq"] == 5 * BATCH, 90, "every label applied")
+    expected = labels.reference(load_version(demo_models / "fraud").snapshot)
+    assert len(labels.acked) == 5 * BATCH
+    assert _feedback_status()["models"]["fraud"]["version"] == expected
+    _wait(lambda: _fraud_versions() == {expected}, 30, "both replicas on the version after the restart")
+
+
+def test_a_source_over_its_rate_is_refused_by_name(learning: tuple[PipelineSpec, Labels]) -> None:
+    _, labels = learning
+    labels.decide(200, 1)
+    client = labels.client
+    refused = 0
+    started = time.monotonic()
+    for i in range(420):  # the burst is 400 labels per source, refilled at 0.5 per second
+        try:
+            client.feedback(request_id="req-200", label=0, feedback_id=f"spam-{i}", source="analyst:eve")
+        except Overloaded as error:
+            assert "analyst:eve" in str(error)
+            refused += 1
+    refilled = 0.5 * (time.monotonic() - started)
+    assert 20 - refilled - 1 <= refused <= 20  # 420 sent: 400 of burst plus what the refill allowed
+    ack = client.feedback(request_id="req-200", label=0, feedback_id="other-source", source="chargebacks")
+    assert ack.accepted
+    assert not ack.duplicate
