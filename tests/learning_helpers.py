@@ -1,0 +1,93 @@
+"""Shared by the online-learning tests: decide over gRPC, label, and compute the reference model."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from riskserve.demo.dataset import generate_transactions
+from riskserve.features.encoder import FeatureEncoder, RawRequest
+from riskserve.learning.learner import is_holdout
+from riskserve.pipelines.client import RiskClient
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.spec import PipelineSpec
+from riskserve.platform.errors import RiskServeError
+from riskserve.wrappers.sklearn_model import LinearSnapshot, train_step
+
+BATCH = 16
+HOLDOUT_EVERY = 4
+ONLINE: dict[str, Any] = {
+    "batch_size": BATCH,
+    "interval_ms": 600_000,  # only full mini-batches: their boundaries are then known in advance
+    "holdout_every": HOLDOUT_EVERY,
+    "min_holdout_rows": 10_000,  # honest labels here; the revert is tested in tests/unit
+    "max_coef_step": 100.0,
+    "max_golden_shift": 1.0,
+}
+"""The fraud model's ``online`` section in these tests."""
+
+
+def _request(row: dict[str, float | str], request_id: str) -> pb.DecideRequest:
+    numeric = {k: float(v) for k, v in row.items() if isinstance(v, float)}
+    categorical = {k: str(row[k]) for k in ("merchant_category", "channel")}
+    return pb.DecideRequest(request_id=request_id, numeric=numeric, categorical=categorical)
+
+
+class Labels:
+    """Requests decided over gRPC and the labels acknowledged for them, in acknowledgement order."""
+
+    def __init__(self, spec: PipelineSpec, client: RiskClient) -> None:
+        self.client = client
+        self.encoder = FeatureEncoder(spec.features)
+        self.tx = generate_transactions(400, seed=77)
+        self.requests: dict[str, pb.DecideRequest] = {}
+        self.acked: list[tuple[str, str, int]] = []  # (request_id, feedback_id, label)
+        self.seqs: dict[str, int] = {}
+
+    def decide(self, start: int, count: int) -> list[pb.DecideResponse]:
+        out = []
+        for i in range(start, start + count):
+            request = _request(self.tx.row(i), f"req-{i}")
+            self.requests[request.request_id] = request
+            out.append(self.client.decide_request(request))
+        return out
+
+    def send(self, start: int, count: int, *, retry_s: float = 0.0, source: str = "bank") -> None:
+        """Label decisions ``start..``; with ``retry_s``, retry each (same feedback_id) until acknowledged."""
+        for i in range(start, start + count):
+            request_id, feedback_id, label = f"req-{i}", f"fb-{i}", int(self.tx.is_fraud[i])
+            deadline = time.monotonic() + retry_s
+            while True:
+                try:
+                    ack = self.client.feedback(
+                        request_id=request_id, label=label, feedback_id=feedback_id, source=source
+                    )
+                    break
+                except RiskServeError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            assert ack.accepted
+            if not ack.duplicate:
+                self.acked.append((request_id, feedback_id, label))
+            self.seqs.setdefault(feedback_id, ack.seq)
+
+    def reference(self, base: LinearSnapshot) -> str:
+        """The version the acknowledged labels give, trained here in mini-batches of ``BATCH``."""
+        assert len(self.acked) % BATCH == 0
+        rows = [self.encoder.validate(_raw(self.requests[r])) for r, _, _ in self.acked]
+        matrix = self.encoder.encode(rows).matrix
+        labels = np.array([label for _, _, label in self.acked], dtype=np.int64)
+        train = np.array([not is_holdout(f, HOLDOUT_EVERY) for _, f, _ in self.acked])
+        snapshot = base
+        for start in range(0, len(self.acked), BATCH):
+            part = slice(start, start + BATCH)
+            keep = train[part]
+            snapshot = train_step(snapshot, matrix[part][keep], labels[part][keep], update_scaler=True)
+        return snapshot.version
+
+
+def _raw(request: pb.DecideRequest) -> RawRequest:
+    return RawRequest(numeric=dict(request.numeric), categorical=dict(request.categorical), text=request.text)
