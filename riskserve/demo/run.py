@@ -6,6 +6,7 @@ decisions (legitimate, risky and malformed) and prints them as a table, then shu
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from riskserve.demo.build import build_demo_models
-from riskserve.demo.dataset import generate_transactions
+from riskserve.demo.dataset import Transactions, generate_transactions
 from riskserve.pipelines.client import RiskClient
 from riskserve.pipelines.local import down, state_dir, up_local
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
@@ -41,6 +42,11 @@ def _pipeline_file(pipeline: Path, models: Path) -> Path:
     data = yaml.safe_load(pipeline.read_text())
     for name, model in data["models"].items():
         model["artifact"] = str((models / name).resolve())
+    if "feedback" in data:  # a fresh feedback log per demo run, so every run starts from the same models
+        log = state_dir() / "demo-feedback" / f"{data['name']}.sqlite"
+        if log.parent.exists():
+            shutil.rmtree(log.parent)
+        data["feedback"]["log_path"] = str(log)
     target = state_dir() / f"demo-{pipeline.name}"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -89,6 +95,43 @@ def _hot_swap(client: RiskClient, models: Path, pipeline: str, row: dict[str, fl
     back = rollback_model(pipeline, "fraud")
     now = _fraud_version(client, row)
     print(f"  rollback {back.old_version} -> {back.new_version}; a decision now uses {now}")
+
+
+def _feedback_loop(client: RiskClient, pipeline: str, tx: Transactions, decided: list[int]) -> None:
+    """Label past decisions with their truth; the learner applies them as one mini-batch and publishes."""
+    from riskserve.pipelines.swap import learning_status
+
+    before = learning_status(pipeline)["models"]["fraud"]
+    print(f"\nonline learning: fraud serves {before['version']}; labelling {len(decided)} past decisions")
+    t0 = time.perf_counter()
+    for i in decided:
+        client.feedback(
+            request_id=f"lat-{i}",
+            label=int(tx.is_fraud[100 + i]),
+            feedback_id=f"cb-{i}",
+            source="chargebacks",
+        )
+    acked = time.perf_counter()
+    print(f"  {len(decided)} labels durable (fsynced) in {(acked - t0) * 1e3:.0f} ms")
+    deadline = time.monotonic() + 60
+    row = tx.row(0)
+    while (version := _fraud_version(client, row)) == before["version"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    published = time.perf_counter()
+    report = learning_status(pipeline)["models"]["fraud"]["last_report"]
+    if report is None:
+        print("  the learner did not apply the batch within 60 s")
+        return
+    loss = report["logloss_before"], report["logloss_after"]
+    judged = f"held-out log-loss {loss[0]:.4f} -> {loss[1]:.4f}" if loss[0] is not None else "golden rows"
+    print(f"  mini-batch {report['after_seq'] + 1}..{report['last_seq']}: {report['trained_rows']} trained, "
+          f"{report['holdout_rows']} held out, step {report['coef_step']:.4f}, "
+          f"{report['outcome']} ({judged})")  # fmt: skip
+    print(f"  {report['parent']} -> {report['version']}; a decision uses {version} "
+          f"{(published - acked) * 1e3:.0f} ms after the last label")  # fmt: skip
+    again = client.feedback(request_id=f"lat-{decided[0]}", label=int(tx.is_fraud[100 + decided[0]]),
+                            feedback_id=f"cb-{decided[0]}", source="chargebacks")  # fmt: skip
+    print(f"  a retried label: duplicate={again.duplicate}, seq {again.seq} (applied once)")
 
 
 def run_demo(*, models: Path, pipeline: Path, grpc_port: int) -> int:
@@ -141,6 +184,7 @@ def run_demo(*, models: Path, pipeline: Path, grpc_port: int) -> int:
             ordered = sorted(latencies)
             p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
             _hot_swap(client, models, state.pipelines[0], tx.row(0))
+            _feedback_loop(client, state.pipelines[0], tx, list(range(64)))
             p50 = statistics.median(ordered)
             print(
                 f"\n5/5 Decide latency, {len(ordered)} sequential calls: p50 {p50:.1f} ms, p99 {p99:.1f} ms"

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import ray
 
 from riskserve.features.encoder import FeatureEncoder, RawRequest, ValidRow
@@ -39,6 +40,8 @@ class StageResult:
     shared: SharedMatrix
     texts: list[str]
     latency_ms: float
+    matrix: np.ndarray | None = None
+    """The matrix itself, when the caller asked for a copy (to keep decisions' features for feedback)."""
 
 
 class FeatureStage:
@@ -51,8 +54,12 @@ class FeatureStage:
         self._rows = 0
         self._last_batch_id = ""
 
-    def encode(self, requests: Sequence[RawRequest], trace: dict[str, str] | None = None) -> StageResult:
+    def encode(
+        self, requests: Sequence[RawRequest], trace: dict[str, str] | None = None, keep_matrix: bool = False
+    ) -> StageResult:
         """Validate and encode a batch; a bad request fails the batch naming ``requests[i].field``.
+
+        ``keep_matrix`` also returns the matrix by value (the ingress records it for online learning).
 
         Raises:
             InvalidInput: for the first bad request (in a batch of one, the field alone is named).
@@ -60,9 +67,9 @@ class FeatureStage:
         with start_span(
             SPAN_FEATURES, context=extract(trace), kind=SpanKind.SERVER, attributes={"rows": len(requests)}
         ):
-            return self._encode(requests)
+            return self._encode(requests, keep_matrix)
 
-    def _encode(self, requests: Sequence[RawRequest]) -> StageResult:
+    def _encode(self, requests: Sequence[RawRequest], keep_matrix: bool) -> StageResult:
         started = time.perf_counter()
         rows = []
         for i, request in enumerate(requests):
@@ -82,7 +89,11 @@ class FeatureStage:
         self._last_batch_id = shared.batch_id
         self._rows += len(rows)
         return StageResult(
-            rows=rows, shared=shared, texts=batch.texts, latency_ms=(time.perf_counter() - started) * 1e3
+            rows=rows,
+            shared=shared,
+            texts=batch.texts,
+            latency_ms=(time.perf_counter() - started) * 1e3,
+            matrix=batch.matrix if keep_matrix else None,
         )
 
     def __del__(self) -> None:

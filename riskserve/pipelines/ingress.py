@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -47,6 +48,8 @@ from riskserve.platform.tracing import (
 )
 
 __all__ = ["PipelineIngress"]
+
+logger = logging.getLogger(__name__)
 
 MAX_BATCH = 1024
 HEALTH_PROBE_TIMEOUT_S = 1.0
@@ -280,7 +283,9 @@ class PipelineIngress:
     ) -> list[pb.DecideResponse]:
         started = time.perf_counter()
         ids = [r.request_id or uuid.uuid4().hex for r in requests]
-        stage_call = self._features.encode.remote([raw_request(r) for r in requests], trace=inject())
+        stage_call = self._features.encode.remote(
+            [raw_request(r) for r in requests], trace=inject(), keep_matrix=self._recorder is not None
+        )
         stage: StageResult = await _within(stage_call, deadline, "the feature stage")
         self._metrics.feature_latency(stage.latency_ms / 1e3)
         names = list(self._spec.models)
@@ -304,16 +309,23 @@ class PipelineIngress:
                 )
             )
         if self._recorder is not None:
-            await self._record(ids, stage, names, per_model)
+            self._record(ids, stage, names, per_model)
         self._metrics.decision_latency(time.perf_counter() - started)
         return responses
 
-    async def _record(
+    def _record(
         self, ids: list[str], stage: StageResult, names: list[str], per_model: list[list[ModelResult]]
     ) -> None:
-        """Buffer what each decision's models saw, for the feedback log (written off the request path)."""
+        """Buffer what each decision's models saw, for the feedback log (written off the request path).
+
+        Never fails the decision: a decision that cannot be recorded is logged and counted as dropped.
+        """
         assert self._recorder is not None
-        matrix: np.ndarray = await stage.shared.ref
+        matrix = stage.matrix
+        if matrix is None:
+            logger.error("the feature stage returned no matrix to record; %d decisions not kept", len(ids))
+            self._recorder.dropped += len(ids)
+            return
         columns = tuple(stage.shared.columns)
         records = []
         for i, request_id in enumerate(ids):

@@ -12,13 +12,23 @@ from typing import Any
 
 from riskserve.pipelines.spec import PipelineSpec
 
-__all__ = ["live_artifacts", "publish_artifacts"]
+__all__ = ["application_status", "live_artifacts", "publish_artifacts"]
 
 
 def _model_handle(spec: PipelineSpec, model: str) -> Any:
     from ray import serve
 
     return serve.get_deployment_handle(f"model-{model}", app_name=spec.name)
+
+
+def application_status(name: str) -> str:
+    """Serve's status of an application (``RUNNING``, ``DEPLOYING``, ``DELETING``, ...; ``NOT_STARTED``)."""
+    from ray import serve
+
+    app = serve.status().applications.get(name)
+    if app is None:
+        return "NOT_STARTED"
+    return str(getattr(app.status, "value", app.status))
 
 
 def live_artifacts(spec: PipelineSpec) -> dict[str, str]:

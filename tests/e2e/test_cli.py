@@ -141,9 +141,13 @@ def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env
     (app,) = config["applications"]
     assert app["name"] == "card_fraud"
     assert app["import_path"] == "riskserve.pipelines.app:build_app"
-    ingress = build_app(app["args"])._bound_deployment  # Serve's bound graph: ingress(spec, features, models)
-    _, features, models = ingress.init_args
+    ingress = build_app(
+        app["args"]
+    )._bound_deployment  # Serve's graph: ingress(spec, features, models, feedback)
+    _, features, models, feedback = ingress.init_args
     assert (ingress.name, features._bound_deployment.name) == ("ingress", "features")
+    assert feedback._bound_deployment.name == "feedback"
+    assert feedback._bound_deployment.num_replicas == 1  # the one writer of the feedback log
     placed = {name: m._bound_deployment.ray_actor_options for name, m in models.items()}
     assert placed["intent"] == {"num_cpus": 1.0, "resources": {"riskserve_pool_llm": 1000.0}}
     assert placed["fraud"] == {"num_cpus": 0.25, "resources": {"riskserve_pool_cpu": 250.0}}

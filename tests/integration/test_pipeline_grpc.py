@@ -245,12 +245,16 @@ def test_describe_lists_features_and_serving_versions(
     assert (models["intent"].kind, models["intent"].pool, models["intent"].replicas) == ("vllm", "llm", 1)
 
 
-def test_feedback_is_not_implemented_yet(stub: pb_grpc.RiskPipelineStub) -> None:
+def test_feedback_needs_a_feedback_section_and_a_recorded_decision(stub: pb_grpc.RiskPipelineStub) -> None:
+    request = pb.FeedbackRequest(request_id="never-decided", label=1, feedback_id="f")
     with pytest.raises(grpc.RpcError) as info:
-        stub.Feedback(
-            pb.FeedbackRequest(request_id="x", label=1, feedback_id="f"), metadata=_md("card_fraud")
-        )
+        stub.Feedback(request, metadata=_md("tabular_only"))  # its YAML keeps no feedback
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "no 'feedback' section" in (info.value.details() or "")
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Feedback(request, metadata=_md("card_fraud"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "never-decided" in (info.value.details() or "")
 
 
 def test_reflection_lists_the_service_for_generic_clients(serve_cluster: ServeCluster) -> None:

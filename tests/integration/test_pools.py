@@ -97,6 +97,7 @@ def test_shipped_pipeline_fits_its_pools() -> None:
         ("fraud", 1, 0.25),
         ("features", 1, 0.25),
         ("ingress", 1, 0.25),
+        ("feedback", 1, 0.0),
     ]
     assert demands["llm"].cpus == pytest.approx(1.0)
     assert demands["llm"].gpus == 0.0
@@ -169,8 +170,7 @@ def test_pipelines_sharing_a_pool_add_up() -> None:
     busier = _edited(lambda d: d["models"]["fraud"].update(replicas=2))
     assert overcommit_errors([busier, tabular]) == [
         "pools.cpu: models need 2.25 CPUs (card_fraud/credit 1 x 0.25, card_fraud/fraud 2 x 0.25, "
-        "card_fraud/features 1 x 0.25, card_fraud/ingress 1 x 0.25, card_fraud/feedback 1 x 0, "
-        "tabular_only/credit 1 x 0.25, "
+        "card_fraud/features 1 x 0.25, card_fraud/ingress 1 x 0.25, tabular_only/credit 1 x 0.25, "
         "tabular_only/fraud 1 x 0.25, tabular_only/features 1 x 0.25, tabular_only/ingress 1 x 0.25), "
         "the pool has 2"
     ]
