@@ -47,6 +47,8 @@ def deployment_names(spec: PipelineSpec) -> dict[str, str]:
     """Serve deployment name of each stage: ``features``, ``ingress``, ``model-<name>`` and, with
     feedback, ``feedback``."""
     names = {"features": "features", "ingress": "ingress", **{m: f"model-{m}" for m in spec.models}}
+    if spec.serving.feature_stage == "ingress":
+        del names["features"]  # encoded inside the ingress replicas
     if spec.feedback is not None:
         names["feedback"] = "feedback"
     return names
@@ -107,10 +109,13 @@ def build_application(
     check_pools(spec)  # also refused by `riskserve up`, across all the pipelines it starts together
     data = spec.resolved()
     names = deployment_names(spec)
-    features_args = (data["features"], data["tracing"])
-    features = _stage(FeatureStage, names["features"], spec, spec.serving.features, features_args).bind(
-        *features_args
-    )
+    features = None
+    if spec.serving.feature_stage == "deployment":
+        features_args = (data["features"], data["tracing"])
+        stage_spec = spec.serving.features
+        features = _stage(FeatureStage, names["features"], spec, stage_spec, features_args).bind(
+            *features_args
+        )
     matrix_columns = spec.features.column_names()
     models = {}
     for name, model in spec.models.items():

@@ -20,7 +20,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2
 from ray.serve.exceptions import BackPressureError
 
-from riskserve.features.stage import StageResult
+from riskserve.features.stage import FeatureStage, StageResult
 from riskserve.learning.feedback_log import DecisionRecord
 from riskserve.learning.recorder import DecisionRecorder
 from riskserve.pipelines.grpc_status import set_status
@@ -52,6 +52,9 @@ __all__ = ["PipelineIngress"]
 logger = logging.getLogger(__name__)
 
 MAX_BATCH = 1024
+INLINE_ENCODE_ROWS = 64
+"""With ``serving.feature_stage: ingress``, batches up to this many rows are encoded on the event loop
+(tens of µs a row); larger ones in a worker thread, so the loop keeps serving other calls."""
 HEALTH_PROBE_TIMEOUT_S = 1.0
 """A model that does not answer its metadata call within this is counted as having no healthy replica."""
 WATCH_INTERVAL_S = 1.0
@@ -86,6 +89,11 @@ class PipelineIngress:
         configure_tracing(self._spec.tracing)
         self._engine = DecisionEngine(self._spec)
         self._features = features
+        self._local_stage = (
+            FeatureStage(spec["features"], spec.get("tracing"))
+            if self._spec.serving.feature_stage == "ingress"
+            else None
+        )
         self._models = models
         self._metrics = PipelineMetrics(self._spec.name)
         self._model_metrics = {name: ModelMetrics(name, m.kind) for name, m in self._spec.models.items()}
@@ -283,10 +291,16 @@ class PipelineIngress:
     ) -> list[pb.DecideResponse]:
         started = time.perf_counter()
         ids = [r.request_id or uuid.uuid4().hex for r in requests]
-        stage_call = self._features.encode.remote(
-            [raw_request(r) for r in requests], trace=inject(), keep_matrix=self._recorder is not None
-        )
-        stage: StageResult = await _within(stage_call, deadline, "the feature stage")
+        raw = [raw_request(r) for r in requests]
+        keep = self._recorder is not None
+        stage: StageResult
+        if self._local_stage is None:
+            stage_call = self._features.encode.remote(raw, trace=inject(), keep_matrix=keep)
+            stage = await _within(stage_call, deadline, "the feature stage")
+        elif len(raw) <= INLINE_ENCODE_ROWS:
+            stage = self._local_stage.encode(raw, trace=inject(), keep_matrix=keep)
+        else:
+            stage = await asyncio.to_thread(self._local_stage.encode, raw, inject(), keep)
         self._metrics.feature_latency(stage.latency_ms / 1e3)
         names = list(self._spec.models)
         per_model = await asyncio.gather(*(self._call_model(name, stage, deadline) for name in names))
@@ -446,6 +460,8 @@ class PipelineIngress:
 
     async def feature_stats(self) -> dict[str, Any]:
         """The feature stage's counters (tests prove it ran once per decision)."""
+        if self._local_stage is not None:
+            return self._local_stage.stats()
         stats: dict[str, Any] = await self._features.stats.remote()
         return stats
 

@@ -179,7 +179,8 @@ def _placements(spec: PipelineSpec) -> Iterable[tuple[str, Placement]]:
                 memory_gb=_memory_gb(model),
             ),
         )
-    stages = {name: getattr(spec.serving, name) for name in ("features", "ingress")}
+    own = ("ingress",) if spec.serving.feature_stage == "ingress" else ("features", "ingress")
+    stages = {name: getattr(spec.serving, name) for name in own}
     if spec.feedback is not None:
         stages["feedback"] = StageSpec(pool=spec.feedback.pool, num_cpus=spec.feedback.num_cpus)
     for stage_name, stage in stages.items():

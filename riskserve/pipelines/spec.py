@@ -232,6 +232,11 @@ class ServingSpec(_Strict):
     ingress: StageSpec = StageSpec()
     access_log: bool = False
     """Ray Serve's per-request access log lines; off by default, they cost CPU on every hop."""
+    feature_stage: Literal["deployment", "ingress"] = "deployment"
+    """Where requests are validated and encoded, once per request batch either way: ``deployment``, a
+    Serve deployment of its own (placed by ``serving.features``, scaled apart from the ingress);
+    ``ingress``, inside each ingress replica, which saves one Serve hop per decision (``serving.features``
+    is then not deployed). The models read the matrix from Ray's object store in both."""
     decision_timeout_ms: float = Field(default=5000, gt=0, le=600_000)
     """Longest a decision may take when the caller sets no shorter deadline (``riskserve-timeout-ms``
     metadata, which RiskClient sends from its gRPC timeout); past it the call is DEADLINE_EXCEEDED."""

@@ -70,11 +70,37 @@ class InputInfo:
     @classmethod
     def of(cls, array: FeatureMatrix, *, copied_for_columns: bool) -> InputInfo:
         """Describe where ``array``'s bytes live."""
-        mapping, inode, offset = _locate(int(array.__array_interface__["data"][0]))
+        return InputSeen.of(array, copied_for_columns=copied_for_columns).resolve()
+
+
+@dataclass(frozen=True)
+class InputSeen:
+    """What a call records about its input: the buffer's address and flags. Finding the mapping
+    (parsing ``/proc/self/maps``, 1-5 ms in a replica, more than the model) waits until someone asks;
+    the object store's mapping stays in place for the life of the process."""
+
+    address: int
+    read_only: bool
+    owns_data: bool
+    copied_for_columns: bool
+
+    @classmethod
+    def of(cls, array: FeatureMatrix, *, copied_for_columns: bool) -> InputSeen:
+        """Record ``array``'s address and flags (cheap: no system call)."""
         return cls(
+            address=int(array.__array_interface__["data"][0]),
             read_only=not array.flags.writeable,
             owns_data=bool(array.flags.owndata),
             copied_for_columns=copied_for_columns,
+        )
+
+    def resolve(self) -> InputInfo:
+        """The full description, with the mapping that holds the address now."""
+        mapping, inode, offset = _locate(self.address)
+        return InputInfo(
+            read_only=self.read_only,
+            owns_data=self.owns_data,
+            copied_for_columns=self.copied_for_columns,
             mapping=mapping,
             inode=inode,
             file_offset=offset,
@@ -103,7 +129,6 @@ class ReplicaAnswer:
     scores: list[float]
     labels: list[str] | None
     latency_ms: float
-    input: InputInfo | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -149,7 +174,7 @@ class ModelReplica:
         self._retiring: set[asyncio.Task[None]] = set()
         self._last_swap_error = ""
         self._started_at = time.time()
-        self._inputs: OrderedDict[str, InputInfo] = OrderedDict()
+        self._inputs: OrderedDict[str, InputSeen] = OrderedDict()
         self._calls = 0
         self._cancelled = 0
         if "artifact" in settings:  # deployed without a user_config: load now
@@ -301,8 +326,7 @@ class ModelReplica:
         loaded.in_flight += 1  # before any await, so the version is not retired under this call
         try:
             matrix: FeatureMatrix = await shared.ref
-            info = InputInfo.of(matrix, copied_for_columns=loaded.select is not None)
-            self._inputs[shared.batch_id] = info
+            self._inputs[shared.batch_id] = InputSeen.of(matrix, copied_for_columns=loaded.select is not None)
             while len(self._inputs) > 256:
                 self._inputs.popitem(last=False)
             if loaded.select is not None:
@@ -310,7 +334,7 @@ class ModelReplica:
             output = await self._counting_cancellation(loaded, matrix, shared.rows)
         finally:
             loaded.in_flight -= 1
-        return self._answer(output, started, input=info)
+        return self._answer(output, started)
 
     async def predict_texts(self, texts: list[str], trace: dict[str, str] | None = None) -> ReplicaAnswer:
         """Label a batch of texts."""
@@ -372,7 +396,8 @@ class ModelReplica:
 
     def input_info(self, batch_id: str) -> InputInfo | None:
         """How this replica received a recent shared batch (kept for the last 256 batches)."""
-        return self._inputs.get(batch_id)
+        seen = self._inputs.get(batch_id)
+        return None if seen is None else seen.resolve()
 
     def check_health(self) -> None:
         """Serve's health probe: an unready model makes the replica unhealthy so Serve replaces it."""
