@@ -330,13 +330,13 @@ def _measure(
 def _print(results: dict[str, dict[str, Any]]) -> None:
     print("\nDecide over gRPC on loopback (ms; decisions/s)")
     print(
-        f"{'pipeline':<13} | {'seq p50':>7} {'p90':>7} {'p99':>7} {'dec/s':>6} | "
+        f"{'pipeline':<14} | {'seq p50':>7} {'p90':>7} {'p99':>7} {'dec/s':>6} | "
         f"{'batch p50':>9} {'ms/dec':>6} {'dec/s':>6} | {'conc p50':>8} {'p99':>7} {'dec/s':>6}"
     )
     for name, r in results.items():
         s, b, c = r["sequential"], r["batch"], r["concurrent"]
         print(
-            f"{name:<13} | {s['p50_ms']:>7.2f} {s['p90_ms']:>7.2f} {s['p99_ms']:>7.2f} "
+            f"{name:<14} | {s['p50_ms']:>7.2f} {s['p90_ms']:>7.2f} {s['p99_ms']:>7.2f} "
             f"{s['decisions_per_s']:>6.0f} | {b['p50_ms']:>9.2f} {b['per_decision_ms']:>6.3f} "
             f"{b['decisions_per_s']:>6.0f} | {c['p50_ms']:>8.2f} {c['p99_ms']:>7.2f} "
             f"{c['decisions_per_s']:>6.0f}"
@@ -346,12 +346,12 @@ def _print(results: dict[str, dict[str, Any]]) -> None:
         cells = ", ".join(
             f"{m} {v['p50_ms']:.2f} / {v['p99_ms']:.2f}" for m, v in r["model_latency_ms_in_ingress"].items()
         )
-        print(f"  {name:<13} {cells}  (fallbacks: {r['fallbacks']})")
+        print(f"  {name:<14} {cells}  (fallbacks: {r['fallbacks']})")
     print("\nratios:")
     for name, r in results.items():
         s, b, c = r["sequential"], r["batch"], r["concurrent"]
         print(
-            f"  {name:<13} batch/sequential throughput {b['decisions_per_s'] / s['decisions_per_s']:.1f}x, "
+            f"  {name:<14} batch/sequential throughput {b['decisions_per_s'] / s['decisions_per_s']:.1f}x, "
             f"concurrent/sequential {c['decisions_per_s'] / s['decisions_per_s']:.2f}x, "
             f"p99/p50 {s['p99_ms'] / s['p50_ms']:.2f}"
         )
