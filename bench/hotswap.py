@@ -377,6 +377,7 @@ def measure_label_to_version(bench: Bench, args: argparse.Namespace) -> dict[str
             for i in chunk:
                 client.decide_request(requests[i])
             before = _fraud_of(client, requests[r * batch])
+            published = feedback.status.remote().result()["models"][MODEL]["publishes"]
             for i in chunk:
                 started = time.perf_counter()
                 client.feedback(
@@ -391,7 +392,11 @@ def measure_label_to_version(bench: Bench, args: argparse.Namespace) -> dict[str
             ) == before and time.perf_counter() < deadline:
                 pass
             to_version.append(time.perf_counter() - last_ack if version != before else float("nan"))
-            status = feedback.status.remote().result()["models"][MODEL]
+            deadline = time.perf_counter() + 60  # this round's publish returns after its version serves
+            while (status := feedback.status.remote().result()["models"][MODEL])["publishes"] <= published:
+                if time.perf_counter() > deadline:
+                    break
+                time.sleep(0.05)
             publish_s.append(float(status["last_publish_s"] or "nan"))
             outcomes[str((status["last_report"] or {}).get("outcome"))] += 1
             progress.update(1)

@@ -6,6 +6,7 @@ Ray's object store once; every model replica on the node then reads that same bu
 
 from __future__ import annotations
 
+import collections
 import time
 import uuid
 from collections.abc import Sequence
@@ -45,11 +46,21 @@ class StageResult:
 
 
 class FeatureStage:
-    """Serve deployment: validate, encode, ``ray.put`` once. Counts its calls so tests can prove 'once'."""
+    """Serve deployment: validate, encode, ``ray.put`` once. Counts its calls so tests can prove 'once'.
 
-    def __init__(self, spec: dict[str, Any], tracing: dict[str, Any] | None = None) -> None:
+    The stage owns every matrix it puts and keeps a reference to it for ``retain_s``: the ref reaches
+    the models inside a Serve response, and a Serve response is not a Ray task return, so Ray's borrowing
+    protocol does not see the ingress and the models as borrowers. Without this the owner could free the
+    matrix before a model read it (``ReferenceCountingAssertionError``, seen under hot swaps).
+    """
+
+    def __init__(
+        self, spec: dict[str, Any], tracing: dict[str, Any] | None = None, retain_s: float = 30.0
+    ) -> None:
         configure_tracing(TracingSettings.model_validate(tracing or {}))
         self._encoder = FeatureEncoder(FeatureSpec.model_validate(spec))
+        self._retain_s = retain_s
+        self._retained: collections.deque[tuple[float, Any]] = collections.deque()
         self._calls = 0
         self._rows = 0
         self._last_batch_id = ""
@@ -82,8 +93,13 @@ class FeatureStage:
         if not rows:
             raise InvalidInput("no requests", field="requests")
         batch = self._encoder.encode(rows)
+        ref = ray.put(batch.matrix)
+        now = time.monotonic()
+        self._retained.append((now + self._retain_s, ref))
+        while self._retained and self._retained[0][0] < now:
+            self._retained.popleft()
         shared = SharedMatrix(
-            ref=ray.put(batch.matrix), rows=len(rows), columns=tuple(batch.columns), batch_id=uuid.uuid4().hex
+            ref=ref, rows=len(rows), columns=tuple(batch.columns), batch_id=uuid.uuid4().hex
         )
         self._calls += 1
         self._last_batch_id = shared.batch_id

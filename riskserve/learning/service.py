@@ -63,6 +63,7 @@ class FeedbackService:
         self._last_report: dict[str, BatchReport] = {}
         self._last_error: dict[str, str] = {}
         self._publish_seconds: dict[str, float] = {}
+        self._publishes: dict[str, int] = {}
         self._cycle_lock = threading.Lock()  # one step, adoption or publish at a time
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -135,6 +136,7 @@ class FeedbackService:
                 "last_report": None if last is None else last.model_dump(mode="json"),
                 "last_error": self._last_error.get(name, ""),
                 "last_publish_s": self._publish_seconds.get(name),
+                "publishes": self._publishes.get(name, 0),
             }
         return out
 
@@ -221,6 +223,7 @@ class FeedbackService:
         started = time.monotonic()
         publish_artifacts(self._spec, {name: str(Path(artifact))})
         self._publish_seconds[name] = time.monotonic() - started
+        self._publishes[name] = self._publishes.get(name, 0) + 1
         served = self._models[name].metadata.remote().result(timeout_s=30)
         if served["version"] != version:
             raise ModelUnavailable(

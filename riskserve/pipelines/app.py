@@ -111,7 +111,9 @@ def build_application(
     names = deployment_names(spec)
     features = None
     if spec.serving.feature_stage == "deployment":
-        features_args = (data["features"], data["tracing"])
+        # Matrices outlive the longest decision (see FeatureStage on why the stage must hold them).
+        retain_s = max(10.0, 2 * spec.serving.decision_timeout_ms / 1e3)
+        features_args = (data["features"], data["tracing"], retain_s)
         stage_spec = spec.serving.features
         features = _stage(FeatureStage, names["features"], spec, stage_spec, features_args).bind(
             *features_args

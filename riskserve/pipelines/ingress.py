@@ -90,7 +90,11 @@ class PipelineIngress:
         self._engine = DecisionEngine(self._spec)
         self._features = features
         self._local_stage = (
-            FeatureStage(spec["features"], spec.get("tracing"))
+            FeatureStage(
+                spec["features"],
+                spec.get("tracing"),
+                max(10.0, 2 * self._spec.serving.decision_timeout_ms / 1e3),
+            )
             if self._spec.serving.feature_stage == "ingress"
             else None
         )
