@@ -9,6 +9,7 @@ touched; other Ray clusters on the machine are left alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import signal
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from pydantic import BaseModel as _Schema
@@ -31,6 +32,7 @@ from riskserve.platform.errors import ConfigError, ModelUnavailable, NotFound
 __all__ = [
     "LOOPBACK_RAY_ENV",
     "LocalState",
+    "connected",
     "deploy_to_cluster",
     "down",
     "pool_resources",
@@ -84,6 +86,30 @@ def read_state() -> LocalState | None:
         path.unlink(missing_ok=True)
         return None
     return state
+
+
+@contextlib.contextmanager
+def connected(state: LocalState) -> Iterator[None]:
+    """This process joined to the local riskserve's Ray for the block (a no-op if Ray is already up).
+
+    The local Ray binds loopback: a driver joining it must pick the same node address and auth mode,
+    and Ray reads both when it is imported, so they are set first.
+    """
+    for key, value in {**LOOPBACK_RAY_ENV, "RAY_AUTH_MODE": state.ray_auth_mode}.items():
+        os.environ.setdefault(key, value)
+    import logging
+
+    import ray
+
+    already = ray.is_initialized()
+    if not already:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # a CLI prints results, not Serve's chatter
+        ray.init(address=state.gcs_address, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        yield
+    finally:
+        if not already:
+            ray.shutdown()
 
 
 def _alive(pid: int) -> bool:

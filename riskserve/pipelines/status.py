@@ -4,27 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from riskserve.pipelines.local import LOOPBACK_RAY_ENV, read_state
+from riskserve.pipelines.local import LocalState, connected, read_state
 
 __all__ = ["collect_status", "print_status"]
 
 
-def collect_status(gcs_address: str, pipelines: list[str], *, ray_auth_mode: str) -> dict[str, Any]:
+def collect_status(state: LocalState) -> dict[str, Any]:
     """Serve's view of each pipeline (application and deployment states) plus each model's metadata."""
-    import os
+    with connected(state):
+        from ray import serve
 
-    # The local Ray binds loopback; a driver joining it must pick the same node address, and Ray reads
-    # this when it is imported (the CLI imports Ray only here).
-    for key, value in {**LOOPBACK_RAY_ENV, "RAY_AUTH_MODE": ray_auth_mode}.items():
-        os.environ.setdefault(key, value)
-    import ray
-    from ray import serve
-
-    ray.init(address=gcs_address, log_to_driver=False)
-    try:
         status = serve.status()
         out: dict[str, Any] = {}
-        for name in pipelines:
+        for name in state.pipelines:
             app = status.applications.get(name)
             if app is None:
                 out[name] = {"status": "NOT_DEPLOYED", "deployments": {}}
@@ -41,8 +33,6 @@ def collect_status(gcs_address: str, pipelines: list[str], *, ray_auth_mode: str
                 deployments[dep_name] = entry
             out[name] = {"status": str(app.status.value), "deployments": deployments}
         return out
-    finally:
-        ray.shutdown()
 
 
 def print_status() -> int:
@@ -53,9 +43,7 @@ def print_status() -> int:
         return 1
     print(f"riskserve on {state.target} (pid {state.pid}, Ray {state.gcs_address})")
     healthy = True
-    for pipeline, info in collect_status(
-        state.gcs_address, state.pipelines, ray_auth_mode=state.ray_auth_mode
-    ).items():
+    for pipeline, info in collect_status(state).items():
         print(f"\n{pipeline}: {info['status']}")
         healthy &= info["status"] == "RUNNING"
         for name, dep in info["deployments"].items():

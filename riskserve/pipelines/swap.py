@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from riskserve.pipelines.local import LOOPBACK_RAY_ENV, LocalState, read_state, state_dir
+from riskserve.pipelines.local import LocalState, connected, read_state, state_dir
 from riskserve.pipelines.publish import publish_artifacts
 from riskserve.pipelines.spec import PipelineSpec, load_pipeline
 from riskserve.platform.errors import Conflict, InvalidInput, ModelLoadError, NotFound, RiskServeError
@@ -89,23 +88,6 @@ def _exclusive(pipeline: str, model: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _connected(state: LocalState) -> Iterator[None]:
-    for key, value in {**LOOPBACK_RAY_ENV, "RAY_AUTH_MODE": state.ray_auth_mode}.items():
-        os.environ.setdefault(key, value)
-    import ray
-
-    already = ray.is_initialized()
-    if not already:
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # a CLI prints results, not Serve's chatter
-        ray.init(address=state.gcs_address, log_to_driver=False, logging_level=logging.WARNING)
-    try:
-        yield
-    finally:
-        if not already:
-            ray.shutdown()
 
 
 def _cause(error: BaseException) -> BaseException:
@@ -203,14 +185,14 @@ def swap_model(
 ) -> SwapResult:
     """:func:`swap` on the local riskserve (``riskserve swap``)."""
     state, spec = _local(pipeline, state)
-    with _connected(state):
+    with connected(state):
         return swap(spec, model, artifact)
 
 
 def rollback_model(pipeline: str, model: str, *, state: LocalState | None = None) -> SwapResult:
     """:func:`rollback` on the local riskserve (``riskserve rollback``)."""
     state, spec = _local(pipeline, state)
-    with _connected(state):
+    with connected(state):
         return rollback(spec, model)
 
 
@@ -223,7 +205,7 @@ def learning_status(pipeline: str, *, state: LocalState | None = None) -> dict[s
     state, spec = _local(pipeline, state)
     if spec.feedback is None:
         raise InvalidInput(f"pipeline '{pipeline}' has no feedback section", field="feedback")
-    with _connected(state):
+    with connected(state):
         from ray import serve
 
         status: dict[str, Any] = (
