@@ -281,6 +281,10 @@ class PipelineIngress:
         health checks report NOT_SERVING (before a shutdown), so load balancers stop sending traffic."""
         self._draining = bool(config.get("draining", False))
 
+    def draining(self) -> bool:
+        """Whether this pipeline is draining (before a shutdown); a redeploy must keep it so."""
+        return self._draining
+
     def check_health(self) -> None:
         """Serve's liveness probe of this replica: the ingress holds no state that can break."""
 

@@ -38,13 +38,24 @@ def live_artifacts(spec: PipelineSpec) -> dict[str, str]:
 
 
 def publish_artifacts(spec: PipelineSpec, overrides: dict[str, str]) -> None:
-    """Serve ``overrides`` (model -> artifact directory) and keep the other models' current artifacts.
+    """Serve ``overrides`` (model -> artifact directory) and keep the other models' current artifacts
+    and the ingress's draining state.
 
     Blocks until Serve reports the application running again (every replica reconfigured).
+
+    Raises:
+        ModelUnavailable: the pipeline is not running (being deleted, say); nothing was deployed.
     """
     from ray import serve
 
     from riskserve.pipelines.app import build_application
+    from riskserve.platform.errors import ModelUnavailable
 
     artifacts = {**live_artifacts(spec), **overrides}
-    serve.run(build_application(spec, artifacts=artifacts), name=spec.name, route_prefix=f"/{spec.name}")
+    draining = bool(serve.get_deployment_handle("ingress", app_name=spec.name).draining.remote().result())
+    app = build_application(spec, artifacts=artifacts, draining=draining)
+    # Checked last, just before the deploy: a redeploy of a pipeline being deleted would bring it back.
+    status = application_status(spec.name)
+    if status not in ("RUNNING", "DEPLOYING"):
+        raise ModelUnavailable(f"pipeline '{spec.name}' is {status}; nothing published")
+    serve.run(app, name=spec.name, route_prefix=f"/{spec.name}")
