@@ -17,7 +17,6 @@ import os
 import threading
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
@@ -220,7 +219,7 @@ class FeedbackService:
         if self._stop.is_set():
             raise ModelUnavailable(f"the feedback service is shutting down; {version} not published")
         started = time.monotonic()
-        publish_artifacts(self._spec, {name: str(Path(artifact))})
+        publish_artifacts(self._spec, {name: artifact})
         self._publish_seconds[name] = time.monotonic() - started
         self._publishes[name] = self._publishes.get(name, 0) + 1
         served = self._models[name].metadata.remote().result(timeout_s=30)

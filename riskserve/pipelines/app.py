@@ -111,9 +111,7 @@ def build_application(
     names = deployment_names(spec)
     features = None
     if spec.serving.feature_stage == "deployment":
-        # Matrices outlive the longest decision (see FeatureStage on why the stage must hold them).
-        retain_s = max(10.0, 2 * spec.serving.decision_timeout_ms / 1e3)
-        features_args = (data["features"], data["tracing"], retain_s)
+        features_args = (data["features"], data["tracing"], spec.serving.matrix_retain_s)
         stage_spec = spec.serving.features
         features = _stage(FeatureStage, names["features"], spec, stage_spec, features_args).bind(
             *features_args
@@ -139,10 +137,10 @@ def build_application(
         models[name] = versioned.options(user_config={"artifact": str(artifact)}).bind(*args)
     feedback = None
     if spec.feedback is not None:
-        # One replica: it is the only writer of the SQLite log and the only learner of each model.
-        stage = StageSpec(pool=spec.feedback.pool, num_cpus=spec.feedback.num_cpus, replicas=1)
         learners = {name: models[name] for name in spec.online_models()}
-        feedback = _stage(FeedbackService, names["feedback"], spec, stage, data).bind(data, learners)
+        feedback = _stage(FeedbackService, names["feedback"], spec, spec.feedback.stage, data).bind(
+            data, learners
+        )
     ingress_deployment = _stage(PipelineIngress, names["ingress"], spec, spec.serving.ingress, data)
     ingress: Application = ingress_deployment.options(user_config={"draining": draining}).bind(
         data, features, models, feedback

@@ -29,7 +29,7 @@ from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.rules import DecisionEngine, ModelResult
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.breaker import BreakerSettings, CircuitBreaker
-from riskserve.platform.errors import DeadlineExceeded, InvalidInput, ModelUnavailable
+from riskserve.platform.errors import DeadlineExceeded, InvalidInput, ModelUnavailable, RiskServeError
 from riskserve.platform.metrics import FallbackReason, ModelMetrics, PipelineMetrics
 from riskserve.platform.replica import ReplicaAnswer
 from riskserve.platform.tracing import (
@@ -90,11 +90,7 @@ class PipelineIngress:
         self._engine = DecisionEngine(self._spec)
         self._features = features
         self._local_stage = (
-            FeatureStage(
-                spec["features"],
-                spec.get("tracing"),
-                max(10.0, 2 * self._spec.serving.decision_timeout_ms / 1e3),
-            )
+            FeatureStage(spec["features"], spec.get("tracing"), self._spec.serving.matrix_retain_s)
             if self._spec.serving.feature_stage == "ingress"
             else None
         )
@@ -208,9 +204,8 @@ class PipelineIngress:
                     request.request_id, int(request.label), request.feedback_id, request.source
                 )
             except Exception as error:
-                cause = getattr(error, "cause", error)
-                if isinstance(cause, Exception) and hasattr(cause, "grpc_status"):
-                    raise cause from error
+                if isinstance(getattr(error, "cause", error), RiskServeError):
+                    raise  # the service's own verdict (NOT_FOUND, ABORTED, ...); set_status unwraps it
                 raise ModelUnavailable(f"the feedback log is unreachable: {error}") from error
         except Exception as error:
             self._failed(error, None, grpc_context)

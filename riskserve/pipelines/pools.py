@@ -57,7 +57,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from riskserve.pipelines.spec import PipelineSpec, PoolSpec, StageSpec
+from riskserve.pipelines.spec import PipelineSpec, PoolSpec
 from riskserve.platform.errors import ConfigError
 
 __all__ = [
@@ -182,7 +182,7 @@ def _placements(spec: PipelineSpec) -> Iterable[tuple[str, Placement]]:
     own = ("ingress",) if spec.serving.feature_stage == "ingress" else ("features", "ingress")
     stages = {name: getattr(spec.serving, name) for name in own}
     if spec.feedback is not None:
-        stages["feedback"] = StageSpec(pool=spec.feedback.pool, num_cpus=spec.feedback.num_cpus)
+        stages["feedback"] = spec.feedback.stage
     for stage_name, stage in stages.items():
         yield (
             spec.stage_pool(stage),

@@ -151,6 +151,11 @@ class FeedbackSpec(_Strict):
     """Pool of the feedback service (one replica: it owns the log); default: the first pool."""
     num_cpus: float = Field(default=0.25, ge=0)
 
+    @property
+    def stage(self) -> StageSpec:
+        """Placement of the feedback service: one replica, the only writer of the log and the learner."""
+        return StageSpec(pool=self.pool, num_cpus=self.num_cpus, replicas=1)
+
 
 class ModelSpec(_Strict):
     """One model of the pipeline and how it is served."""
@@ -241,6 +246,12 @@ class ServingSpec(_Strict):
     """Longest a decision may take when the caller sets no shorter deadline (``riskserve-timeout-ms``
     metadata, which RiskClient sends from its gRPC timeout); past it the call is DEADLINE_EXCEEDED."""
 
+    @property
+    def matrix_retain_s(self) -> float:
+        """How long the feature stage holds each matrix it puts: past the longest decision (see
+        :class:`~riskserve.features.stage.FeatureStage` on why it must)."""
+        return max(10.0, 2 * self.decision_timeout_ms / 1e3)
+
 
 class PipelineSpec(_Strict):
     """A whole risk-decision pipeline."""
@@ -261,13 +272,13 @@ class PipelineSpec(_Strict):
     base_dir: Path = Field(default=Path("."), exclude=True)
     """Directory relative artifact paths are resolved against (the YAML file's; not written in YAML)."""
 
-    def artifact_path(self, model: str) -> Path:
-        """Absolute artifact directory of a model."""
-        path = self.models[model].artifact
+    def _relative(self, path: Path) -> Path:
+        """``path`` made absolute against the YAML file's directory."""
         return path if path.is_absolute() else (self.base_dir / path).resolve()
 
-    def _relative(self, path: Path) -> Path:
-        return path if path.is_absolute() else (self.base_dir / path).resolve()
+    def artifact_path(self, model: str) -> Path:
+        """Absolute artifact directory of a model."""
+        return self._relative(self.models[model].artifact)
 
     def feedback_log_path(self) -> Path:
         """Absolute path of the feedback log (the pipeline must have ``feedback``)."""
@@ -310,8 +321,8 @@ class PipelineSpec(_Strict):
             data["feedback"]["log_path"] = str(self.feedback_log_path())
             for name in self.online_models():
                 data["models"][name]["online"]["artifact_dir"] = str(self.learned_dir(name))
-        if self.tracing.file_path is not None and not self.tracing.file_path.is_absolute():
-            data["tracing"]["file_path"] = str((self.base_dir / self.tracing.file_path).resolve())
+        if self.tracing.file_path is not None:
+            data["tracing"]["file_path"] = str(self._relative(self.tracing.file_path))
         return data
 
 

@@ -208,7 +208,10 @@ def learning_status(pipeline: str, *, state: LocalState | None = None) -> dict[s
     with connected(state):
         from ray import serve
 
+        # The ingress adds its own replica's decision buffer (buffered, dropped) to the learner's status.
         status: dict[str, Any] = (
-            serve.get_deployment_handle("feedback", app_name=pipeline).status.remote().result(timeout_s=30)
+            serve.get_deployment_handle("ingress", app_name=pipeline)
+            .learning_status.remote()
+            .result(timeout_s=30)
         )
         return status
