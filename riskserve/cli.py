@@ -39,15 +39,13 @@ def _up(args: argparse.Namespace) -> int:
     from riskserve.pipelines.local import deploy_to_cluster, up_local
 
     if args.address:
-        names = deploy_to_cluster(args.pipelines, address=args.address, grpc_port=args.grpc_port)
-        print(
-            f"deployed {', '.join(names)} to {args.address}; gRPC on port {args.grpc_port} of the head node"
-        )
+        endpoints = deploy_to_cluster(args.pipelines, address=args.address, grpc_port=args.grpc_port)
+        for name, endpoint in endpoints.items():
+            print(f"deployed {name} to {args.address}; gRPC {endpoint} on each node with its ingress")
         return 0
     state = up_local(args.pipelines, grpc_port=args.grpc_port)
-    print(
-        f"riskserve is up: {', '.join(state.pipelines)} on {state.target} (gRPC, metadata application=NAME)"
-    )
+    for name, endpoint in state.endpoints.items():
+        print(f"riskserve is up: {name} on {endpoint} (gRPC, metadata application={name})")
     print(
         f"  metrics: Prometheus scrapes http://127.0.0.1:{state.metrics_port}/metrics (deploy/prometheus.yml)"
     )
@@ -56,6 +54,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _target(args: argparse.Namespace) -> str:
+    """``--target``, or the local riskserve's endpoint of ``--pipeline`` (each pipeline has its port)."""
     if args.target:
         return str(args.target)
     from riskserve.pipelines.local import read_state
@@ -65,7 +64,7 @@ def _target(args: argparse.Namespace) -> str:
         raise NotFound(
             "no local riskserve is running: `riskserve up PIPELINE.yaml` or pass --target HOST:PORT"
         )
-    return state.target
+    return state.endpoint(args.pipeline)
 
 
 def _decide(args: argparse.Namespace) -> int:
@@ -183,7 +182,10 @@ def _parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="serve pipelines: a local Ray by default, or an existing cluster")
     up.add_argument("pipelines", nargs="+", type=Path, help="pipeline YAML files")
-    up.add_argument("--grpc-port", type=int, default=9000)
+    up.add_argument(
+        "--grpc-port", type=int, default=None,
+        help="gRPC port of the first pipeline, the next pipelines on the next ports (default: the YAMLs')",
+    )  # fmt: skip
     up.add_argument("--address", help="Ray cluster address (ray://... or HOST:PORT) instead of a local Ray")
     up.set_defaults(handler=_up)
 
@@ -233,7 +235,7 @@ def _parser() -> argparse.ArgumentParser:
     export_commands = export.add_subparsers(dest="export_command", required=True)
     config = export_commands.add_parser("serve-config", help="a `serve deploy`-able Ray Serve config")
     config.add_argument("pipelines", nargs="+", type=Path)
-    config.add_argument("--grpc-port", type=int, default=9000)
+    config.add_argument("--grpc-port", type=int, default=None)
     config.set_defaults(handler=_export)
 
     demo = commands.add_parser("demo", help="up the card-fraud pipeline, real gRPC decisions, then down")

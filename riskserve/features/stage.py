@@ -19,7 +19,7 @@ import ray
 from riskserve.features.encoder import FeatureEncoder, RawRequest, ValidRow
 from riskserve.features.spec import FeatureSpec
 from riskserve.platform.errors import InvalidInput
-from riskserve.platform.replica import SharedMatrix
+from riskserve.platform.shared_matrix import SharedMatrix
 from riskserve.platform.tracing import (
     SPAN_FEATURES,
     SpanKind,
@@ -33,16 +33,25 @@ from riskserve.platform.tracing import (
 __all__ = ["FeatureStage", "StageResult"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class StageResult:
-    """Validated rows, the shared matrix's reference, the texts, and how long the stage took."""
+    """Validated rows, the matrix (in process) and/or its shared reference, the texts, and the time taken."""
 
     rows: list[ValidRow]
-    shared: SharedMatrix
     texts: list[str]
     latency_ms: float
+    columns: tuple[str, ...]
     matrix: np.ndarray | None = None
-    """The matrix itself, when the caller asked for a copy (to keep decisions' features for feedback)."""
+    """The matrix itself: always from a stage inside the ingress; from a stage deployment when asked."""
+    shared: SharedMatrix | None = None
+    """The matrix in Ray's object store, put by a feature-stage deployment for remote models."""
+    put: SharedMatrix | None = None
+    """The matrix put by the ingress for remote models (once per batch, when large enough to pay)."""
+
+    @property
+    def rows_count(self) -> int:
+        """Number of rows (decisions) in the batch."""
+        return len(self.rows)
 
 
 class FeatureStage:
@@ -66,21 +75,29 @@ class FeatureStage:
         self._last_batch_id = ""
 
     def encode(
-        self, requests: Sequence[RawRequest], trace: dict[str, str] | None = None, keep_matrix: bool = False
+        self,
+        requests: Sequence[RawRequest],
+        trace: dict[str, str] | None = None,
+        keep_matrix: bool = False,
+        *,
+        share: bool = True,
     ) -> StageResult:
         """Validate and encode a batch; a bad request fails the batch naming ``requests[i].field``.
 
-        ``keep_matrix`` also returns the matrix by value (the ingress records it for online learning).
+        ``share`` puts the matrix in Ray's object store (a stage deployment, for models in other
+        processes); ``keep_matrix`` also returns it by value (always, when not shared).
 
         Raises:
             InvalidInput: for the first bad request (in a batch of one, the field alone is named).
         """
+        if trace is None and not share:  # inside the ingress, unsampled: no span at all
+            return self._encode(requests, keep_matrix, share)
         with start_span(
             SPAN_FEATURES, context=extract(trace), kind=SpanKind.SERVER, attributes={"rows": len(requests)}
         ):
-            return self._encode(requests, keep_matrix)
+            return self._encode(requests, keep_matrix, share)
 
-    def _encode(self, requests: Sequence[RawRequest], keep_matrix: bool) -> StageResult:
+    def _encode(self, requests: Sequence[RawRequest], keep_matrix: bool, share: bool) -> StageResult:
         started = time.perf_counter()
         rows = []
         for i, request in enumerate(requests):
@@ -93,23 +110,25 @@ class FeatureStage:
         if not rows:
             raise InvalidInput("no requests", field="requests")
         batch = self._encoder.encode(rows)
-        ref = ray.put(batch.matrix)
-        now = time.monotonic()
-        self._retained.append((now + self._retain_s, ref))
-        while self._retained and self._retained[0][0] < now:
-            self._retained.popleft()
-        shared = SharedMatrix(
-            ref=ref, rows=len(rows), columns=tuple(batch.columns), batch_id=uuid.uuid4().hex
-        )
+        columns = tuple(batch.columns)
+        shared = None
+        if share:
+            ref = ray.put(batch.matrix)
+            now = time.monotonic()
+            self._retained.append((now + self._retain_s, ref))
+            while self._retained and self._retained[0][0] < now:
+                self._retained.popleft()
+            shared = SharedMatrix(ref=ref, rows=len(rows), columns=columns, batch_id=uuid.uuid4().hex)
+            self._last_batch_id = shared.batch_id
         self._calls += 1
-        self._last_batch_id = shared.batch_id
         self._rows += len(rows)
         return StageResult(
             rows=rows,
-            shared=shared,
             texts=batch.texts,
             latency_ms=(time.perf_counter() - started) * 1e3,
-            matrix=batch.matrix if keep_matrix else None,
+            columns=columns,
+            matrix=batch.matrix if keep_matrix or not share else None,
+            shared=shared,
         )
 
     def __del__(self) -> None:

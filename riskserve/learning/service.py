@@ -24,6 +24,7 @@ from riskserve.learning.learner import BatchReport, OnlineLearner
 from riskserve.learning.rate_limit import SourceRateLimiter
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import ConfigError, ModelUnavailable
+from riskserve.platform.runner import ModelStatus
 
 __all__ = ["FeedbackService"]
 
@@ -40,7 +41,7 @@ ERROR_BACKOFF_S = 2.0
 class FeedbackService:
     """Serve deployment: ``record_decisions``, ``record_feedback``, ``status``; learns in a thread."""
 
-    def __init__(self, spec: dict[str, Any], models: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any]) -> None:
         self._spec = PipelineSpec.model_validate(spec)
         feedback = self._spec.feedback
         if feedback is None:
@@ -49,7 +50,7 @@ class FeedbackService:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._log = FeedbackLog(path, retention_s=feedback.retention_hours * 3600)
         self._limiter = SourceRateLimiter(feedback.source_rate_per_s, feedback.source_burst)
-        self._models = models
+        self._ingress: Any = None
         self._learners: dict[str, OnlineLearner] = {}
         for name in self._spec.online_models():
             online = self._spec.models[name].online
@@ -200,17 +201,26 @@ class FeedbackService:
         known = cursor.version is not None and cursor.artifact is not None
         if known and not due and self._published.get(name) == cursor.version:
             return
-        served = self._models[name].metadata.remote().result(timeout_s=30)
+        served = self._served(name)
         self._probed[name] = time.monotonic()
         if cursor.version is None or cursor.artifact is None:
-            learner.adopt(served["artifact"])  # the first version seen is where learning starts
-            self._published[name] = str(served["version"])
+            learner.adopt(served.artifact)  # the first version seen is where learning starts
+            self._published[name] = str(served.version)
             return
-        if served["version"] == cursor.version:
+        if served.version == cursor.version:
             self._published[name] = cursor.version
             return
-        logger.info("'%s' serves %s, the log says %s: publishing it", name, served["version"], cursor.version)
+        logger.info("'%s' serves %s, the log says %s: publishing it", name, served.version, cursor.version)
         self._publish(name, cursor.version, cursor.artifact)
+
+    def _served(self, name: str) -> ModelStatus:
+        """What model ``name`` serves now, asked of the ingress (which knows where the model runs)."""
+        if self._ingress is None:
+            from ray import serve
+
+            self._ingress = serve.get_deployment_handle("ingress", app_name=self._spec.name)
+        status: ModelStatus = self._ingress.model_status.remote(name).result(timeout_s=30)
+        return status
 
     def _publish(self, name: str, version: str, artifact: str) -> None:
         """Serve ``artifact`` on every replica of the model (a Serve ``user_config`` update)."""
@@ -222,9 +232,9 @@ class FeedbackService:
         publish_artifacts(self._spec, {name: artifact})
         self._publish_seconds[name] = time.monotonic() - started
         self._publishes[name] = self._publishes.get(name, 0) + 1
-        served = self._models[name].metadata.remote().result(timeout_s=30)
-        if served["version"] != version:
+        served = self._served(name)
+        if served.version != version:
             raise ModelUnavailable(
-                f"published {version} but '{name}' serves {served['version']} ({served['last_swap_error']})"
+                f"published {version} but '{name}' serves {served.version} ({served.last_swap_error})"
             )
         self._published[name] = version

@@ -1,8 +1,11 @@
 """The graph builder: a pipeline spec becomes one Ray Serve application.
 
-``features`` (the shared feature stage) -> one deployment per model (in parallel) -> the decision rules in
-the ``ingress``, which is what the gRPC proxy calls. Each deployment is placed on its pool through a Ray
-custom resource, so the same application runs on one machine or a KubeRay cluster.
+The ``ingress`` serves riskserve's own gRPC front door and holds the feature stage and every model placed
+``ingress``; each model placed ``deployment`` (the LLM) is a deployment of its own that the ingress calls
+through a handle, and ``features`` a deployment only with ``serving.feature_stage: deployment``. Each
+deployment is placed on its pool through a Ray custom resource, so the same application runs on one
+machine or a KubeRay cluster. Models' artifacts travel as ``user_config`` (the ingress's for models in it),
+so a swap or a learner's publish reconfigures replicas in place.
 """
 
 # No `from __future__ import annotations` here: Serve inspects build_app's annotation at run time.
@@ -20,18 +23,13 @@ from ray.serve import Application
 
 from riskserve.features.stage import FeatureStage
 from riskserve.learning.service import FeedbackService
+from riskserve.pipelines.endpoints import with_endpoint
 from riskserve.pipelines.ingress import PipelineIngress
-from riskserve.pipelines.pools import actor_options, check_pools
+from riskserve.pipelines.pools import actor_options, check_pools, ingress_cpus
 from riskserve.pipelines.spec import PipelineSpec, StageSpec, load_pipeline
 from riskserve.platform.replica import ModelReplica
 
-__all__ = ["GRPC_SERVICER_FUNCTIONS", "AppArgs", "build_app", "build_application", "deployment_names"]
-
-GRPC_SERVICER_FUNCTIONS = [
-    "riskserve.pipelines.proto.riskserve.v1.risk_pipeline_pb2_grpc.add_RiskPipelineServicer_to_server",
-    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
-]
-"""What Ray Serve's gRPC proxy must register: ``riskserve.v1.RiskPipeline`` and ``grpc.health.v1.Health``."""
+__all__ = ["AppArgs", "build_app", "build_application", "deployment_names"]
 
 
 class AppArgs(_Schema):
@@ -41,12 +39,15 @@ class AppArgs(_Schema):
 
     pipeline: Path
     """The pipeline YAML file."""
+    grpc_port: int | None = None
+    """The gRPC port of the pipeline's front door (default: the YAML's ``serving.grpc.port``)."""
 
 
 def deployment_names(spec: PipelineSpec) -> dict[str, str]:
-    """Serve deployment name of each stage: ``features``, ``ingress``, ``model-<name>`` and, with
-    feedback, ``feedback``."""
-    names = {"features": "features", "ingress": "ingress", **{m: f"model-{m}" for m in spec.models}}
+    """Serve deployment name of each stage: ``ingress``, ``model-<name>`` for models in their own
+    deployment, ``features`` when the feature stage is one and, with feedback, ``feedback``."""
+    remote = {m: f"model-{m}" for m, model in spec.models.items() if not model.in_ingress}
+    names = {"features": "features", "ingress": "ingress", **remote}
     if spec.serving.feature_stage == "ingress":
         del names["features"]  # encoded inside the ingress replicas
     if spec.feedback is not None:
@@ -86,14 +87,17 @@ def _versioned(deployment: Any, version: str) -> Any:
     return deployment.options(version=version, _internal=True)
 
 
-def _stage(cls: type, name: str, spec: PipelineSpec, stage: StageSpec, *args: Any) -> Any:
+def _stage(
+    cls: type, name: str, spec: PipelineSpec, stage: StageSpec, *args: Any, num_cpus: float | None = None
+) -> Any:
+    cpus = stage.num_cpus if num_cpus is None else num_cpus
     return _versioned(serve.deployment()(cls), _version(name, args)).options(
         name=name,
         logging_config=_logging(spec),
         num_replicas=stage.replicas,
         max_ongoing_requests=stage.max_ongoing_requests,
         max_queued_requests=stage.max_queued_requests,
-        ray_actor_options=actor_options(spec, spec.stage_pool(stage), stage.num_cpus),
+        ray_actor_options=actor_options(spec, spec.stage_pool(stage), cpus),
     )
 
 
@@ -119,11 +123,17 @@ def build_application(
     matrix_columns = spec.features.column_names()
     models = {}
     for name, model in spec.models.items():
+        if model.in_ingress:
+            continue  # built by each ingress replica from the spec; its artifact is the ingress's user_config
+        batching = model.batching.model_dump() if model.batching is not None else None
+        max_ongoing = model.max_ongoing_requests
+        if model.batching is not None:  # Serve wants room for a whole batch of calls per replica
+            max_ongoing = max(max_ongoing, model.batching.max_batch_size)
         deployment = serve.deployment()(ModelReplica).options(
             name=names[name],
             logging_config=_logging(spec),
             num_replicas=model.replicas,
-            max_ongoing_requests=model.max_ongoing_requests,
+            max_ongoing_requests=max_ongoing,
             max_queued_requests=model.max_queued_requests,
             ray_actor_options=actor_options(spec, model.pool, model.num_cpus, model.num_gpus),
             # vLLM loads its engine in the constructor; give slow starts room before Serve gives up.
@@ -132,22 +142,27 @@ def build_application(
         artifact = (artifacts or {}).get(name) or data["models"][name]["artifact"]
         columns = None if model.reads_text else matrix_columns
         declared = None if model.reads_text else spec.model_columns(name)
-        args = (name, model.kind, dict(model.settings), columns, declared, data["tracing"])
+        args = (name, model.kind, dict(model.settings), columns, declared, data["tracing"], batching)
         versioned = _versioned(deployment, _version(names[name], args))
         models[name] = versioned.options(user_config={"artifact": str(artifact)}).bind(*args)
     feedback = None
     if spec.feedback is not None:
-        learners = {name: models[name] for name in spec.online_models()}
-        feedback = _stage(FeedbackService, names["feedback"], spec, spec.feedback.stage, data).bind(
-            data, learners
-        )
-    ingress_deployment = _stage(PipelineIngress, names["ingress"], spec, spec.serving.ingress, data)
-    ingress: Application = ingress_deployment.options(user_config={"draining": draining}).bind(
-        data, features, models, feedback
+        feedback = _stage(FeedbackService, names["feedback"], spec, spec.feedback.stage, data).bind(data)
+    in_ingress = {
+        name: str((artifacts or {}).get(name) or data["models"][name]["artifact"])
+        for name, model in spec.models.items()
+        if model.in_ingress
+    }
+    ingress_deployment = _stage(
+        PipelineIngress, names["ingress"], spec, spec.serving.ingress, data, num_cpus=ingress_cpus(spec)
     )
+    ingress: Application = ingress_deployment.options(
+        user_config={"draining": draining, "artifacts": in_ingress}
+    ).bind(data, features, models, feedback)
     return ingress
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Serve config entry point (``riskserve.pipelines.app:build_app`` with ``args: {pipeline: PATH}``)."""
-    return build_application(load_pipeline(AppArgs.model_validate(args).pipeline))
+    parsed = AppArgs.model_validate(args)
+    return build_application(with_endpoint(load_pipeline(parsed.pipeline), port=parsed.grpc_port))

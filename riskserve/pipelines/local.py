@@ -1,8 +1,9 @@
 """Run pipelines on a local Ray (a background process that owns it) or deploy them to a Ray cluster.
 
 ``riskserve up`` starts ``python -m riskserve.pipelines.local`` detached: it starts an embedded Ray bound to
-loopback, Serve with the gRPC proxy, deploys the pipelines, writes a state file and serves until it gets
-SIGTERM (``riskserve down``), when it shuts Serve and its own Ray down. Only that process's cluster is
+loopback and Serve without its proxies (each pipeline's ingress replicas serve gRPC themselves, one port
+per pipeline), deploys the pipelines, writes a state file and serves until it gets SIGTERM
+(``riskserve down``), when it drains and shuts Serve and its own Ray down. Only that process's cluster is
 touched; other Ray clusters on the machine are left alone.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict, ValidationError
 
+from riskserve.pipelines.endpoints import assign_endpoints, endpoint_of
 from riskserve.pipelines.pools import check_pools, single_node_resources
 from riskserve.pipelines.spec import PipelineSpec, load_pipeline
 from riskserve.platform.artifacts import default_cache_dir
@@ -52,7 +54,10 @@ class LocalState(_Schema):
 
     pid: int
     grpc_port: int
-    http_port: int
+    """The first pipeline's gRPC port."""
+    endpoints: dict[str, str] = {}
+    """Pipeline name -> ``HOST:PORT`` of its gRPC front door."""
+    http_port: int = 0
     metrics_port: int = 0
     """Ray's Prometheus endpoint on this node: ``http://127.0.0.1:PORT/metrics``."""
     gcs_address: str
@@ -66,8 +71,27 @@ class LocalState(_Schema):
 
     @property
     def target(self) -> str:
-        """The gRPC address clients dial."""
-        return f"127.0.0.1:{self.grpc_port}"
+        """The first pipeline's gRPC address."""
+        return self.endpoint(self.pipelines[0]) if self.pipelines else f"127.0.0.1:{self.grpc_port}"
+
+    def endpoint(self, pipeline: str) -> str:
+        """The gRPC address of ``pipeline``'s front door.
+
+        Raises:
+            NotFound: the pipeline is not running here.
+        """
+        if pipeline not in self.endpoints:
+            running = ", ".join(self.endpoints) or "none"
+            raise NotFound(f"no pipeline '{pipeline}' is running (running: {running})")
+        return self.endpoints[pipeline]
+
+    def running_spec(self, pipeline: str) -> PipelineSpec:
+        """The pipeline as it was deployed: its YAML with the port ``up`` gave it (a redeploy must keep
+        it, or the ingress would restart on another port)."""
+        from riskserve.pipelines.endpoints import with_endpoint
+
+        port = int(self.endpoint(pipeline).rsplit(":", 1)[1])
+        return with_endpoint(load_pipeline(self.pipeline_files[pipeline]), port=port)
 
 
 def state_dir() -> Path:
@@ -134,23 +158,17 @@ def pool_resources(specs: Iterable[PipelineSpec]) -> dict[str, float]:
 
 
 def _cpus_needed(specs: Iterable[PipelineSpec]) -> int:
-    total = 0.0
-    for spec in specs:
-        total += sum(m.num_cpus * m.replicas for m in spec.models.values())
-        total += sum(s.num_cpus * s.replicas for s in (spec.serving.features, spec.serving.ingress))
+    from riskserve.pipelines.pools import pool_demands
+
+    total = sum(demand.cpus for demand in pool_demands(list(specs)).values())
     return max(os.cpu_count() or 1, math.ceil(total))
 
 
-def _start_serve(grpc_port: int, http_port: int) -> None:
+def _start_serve() -> None:
+    """Serve without its HTTP and gRPC proxies: every pipeline's ingress serves its own gRPC port."""
     from ray import serve
-    from ray.serve.config import gRPCOptions
 
-    from riskserve.pipelines.app import GRPC_SERVICER_FUNCTIONS
-
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": http_port},
-        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
-    )
+    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
 
 
 def _deploy(specs: Sequence[PipelineSpec]) -> None:
@@ -159,7 +177,7 @@ def _deploy(specs: Sequence[PipelineSpec]) -> None:
     from riskserve.pipelines.app import build_application
 
     for spec in specs:
-        serve.run(build_application(spec), name=spec.name, route_prefix=f"/{spec.name}")
+        serve.run(build_application(spec), name=spec.name, route_prefix=None)
 
 
 def _check_pools_exist(specs: Sequence[PipelineSpec]) -> None:
@@ -175,23 +193,30 @@ def _check_pools_exist(specs: Sequence[PipelineSpec]) -> None:
                 )
 
 
-def deploy_to_cluster(paths: Sequence[Path], *, address: str, grpc_port: int) -> list[str]:
-    """Deploy pipelines to an existing Ray cluster (``up --address``); Serve keeps them after we exit."""
+def deploy_to_cluster(
+    paths: Sequence[Path], *, address: str, grpc_port: int | None, host: str | None = None
+) -> dict[str, str]:
+    """Deploy pipelines to an existing Ray cluster (``up --address``); Serve keeps them after we exit.
+
+    Returns each pipeline's gRPC endpoint (on every node that runs one of its ingress replicas).
+    """
     import ray
 
-    specs = [load_pipeline(p) for p in paths]
+    specs = assign_endpoints([load_pipeline(p) for p in paths], base_port=grpc_port, host=host)
     check_pools(specs)
     ray.init(address=address, log_to_driver=False)
     try:
         _check_pools_exist(specs)
-        _start_serve(grpc_port, _free_port())
+        _start_serve()
         _deploy(specs)
     finally:
         ray.shutdown()
-    return [s.name for s in specs]
+    return {s.name: endpoint_of(s) for s in specs}
 
 
-def up_local(paths: Sequence[Path], *, grpc_port: int, timeout_s: float = READY_TIMEOUT_S) -> LocalState:
+def up_local(
+    paths: Sequence[Path], *, grpc_port: int | None, timeout_s: float = READY_TIMEOUT_S
+) -> LocalState:
     """Start a local Ray with the pipelines in a background process and wait until they serve.
 
     Raises:
@@ -199,13 +224,16 @@ def up_local(paths: Sequence[Path], *, grpc_port: int, timeout_s: float = READY_
         ModelUnavailable: the background process died or did not become ready in time (its log is named).
     """
     specs = [load_pipeline(p) for p in paths]  # fail fast, in the foreground, on a bad file
+    assign_endpoints(specs, base_port=grpc_port)  # two pipelines on one port are refused here
     check_pools(specs)  # pipelines sharing a pool name share its capacity
     if read_state() is not None:
         raise ConfigError("a local riskserve is already running: `riskserve down` first")
     directory = state_dir()
     directory.mkdir(parents=True, exist_ok=True)
     log_path = directory / "riskserve.log"
-    command = [sys.executable, "-m", "riskserve.pipelines.local", "--grpc-port", str(grpc_port)]
+    command = [sys.executable, "-m", "riskserve.pipelines.local"]
+    if grpc_port is not None:
+        command += ["--grpc-port", str(grpc_port)]
     command += [str(Path(p).resolve()) for p in paths]
     env = {**os.environ, **LOOPBACK_RAY_ENV}
     with log_path.open("w") as log:
@@ -262,19 +290,20 @@ def _drain(specs: Sequence[PipelineSpec]) -> None:
     from ray import serve
 
     from riskserve.pipelines.app import build_application
-    from riskserve.pipelines.swap import artifact_overrides
+    from riskserve.pipelines.publish import live_artifacts
 
     for spec in specs:
-        app = build_application(spec, draining=True, artifacts=artifact_overrides(spec.name))
-        serve.run(app, name=spec.name, route_prefix=f"/{spec.name}")
+        # What each model serves now (swapped or learned), never the YAML's: draining changes nothing else.
+        app = build_application(spec, draining=True, artifacts=live_artifacts(spec))
+        serve.run(app, name=spec.name, route_prefix=None)
     time.sleep(DRAIN_S)
 
 
-def _serve_forever(paths: Sequence[Path], grpc_port: int) -> int:
+def _serve_forever(paths: Sequence[Path], grpc_port: int | None) -> int:
     """Body of the background process: own a local Ray and Serve until SIGTERM."""
     import ray
 
-    specs = [load_pipeline(p) for p in paths]
+    specs = assign_endpoints([load_pipeline(p) for p in paths], base_port=grpc_port)
     (state_dir() / "artifacts.json").unlink(missing_ok=True)  # a new start serves what the YAML says
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -288,14 +317,14 @@ def _serve_forever(paths: Sequence[Path], grpc_port: int) -> int:
         log_to_driver=False,
         _metrics_export_port=metrics_port,
     )
-    http_port = _free_port()
     try:
-        _start_serve(grpc_port, http_port)
+        _start_serve()
         _deploy(specs)
+        endpoints = {s.name: endpoint_of(s) for s in specs}
         state = LocalState(
             pid=os.getpid(),
-            grpc_port=grpc_port,
-            http_port=http_port,
+            grpc_port=specs[0].serving.grpc.port,
+            endpoints=endpoints,
             metrics_port=metrics_port,
             gcs_address=ray.get_runtime_context().gcs_address,
             pipelines=[s.name for s in specs],
@@ -308,7 +337,7 @@ def _serve_forever(paths: Sequence[Path], grpc_port: int) -> int:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(state.model_dump_json(indent=2))
         tmp.rename(path)  # readers see no file or a whole one
-        print(f"serving {state.pipelines} on {state.target}", flush=True)
+        print(f"serving {', '.join(f'{n} on {e}' for n, e in endpoints.items())}", flush=True)
         stop.wait()
         _drain(specs)
     finally:
@@ -322,7 +351,7 @@ def _serve_forever(paths: Sequence[Path], grpc_port: int) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the background process (``python -m riskserve.pipelines.local``)."""
     parser = argparse.ArgumentParser(prog="riskserve-local")
-    parser.add_argument("--grpc-port", type=int, required=True)
+    parser.add_argument("--grpc-port", type=int, default=None)
     parser.add_argument("pipelines", nargs="+", type=Path)
     args = parser.parse_args(argv)
     return _serve_forever(args.pipelines, args.grpc_port)

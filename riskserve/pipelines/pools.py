@@ -68,6 +68,7 @@ __all__ = [
     "PoolDemand",
     "actor_options",
     "check_pools",
+    "ingress_cpus",
     "node_group_resources",
     "node_resources",
     "overcommit_errors",
@@ -165,15 +166,22 @@ def pool_capacity(specs: Specs, pool: str) -> PoolSpec:
     )
 
 
+def ingress_cpus(spec: PipelineSpec) -> float:
+    """CPUs one ingress replica takes: its own share plus that of every model placed in it."""
+    return spec.serving.ingress.num_cpus + sum(m.num_cpus for m in spec.models.values() if m.in_ingress)
+
+
 def _placements(spec: PipelineSpec) -> Iterable[tuple[str, Placement]]:
     for name, model in spec.models.items():
+        # A model in the ingress runs in every ingress replica: its share counts once per ingress replica.
+        replicas = spec.serving.ingress.replicas if model.in_ingress else model.replicas
         yield (
             model.pool,
             Placement(
                 pipeline=spec.name,
-                deployment=name,
+                deployment=f"ingress ({name})" if model.in_ingress else name,
                 path=f"models.{name}",
-                replicas=model.replicas,
+                replicas=replicas,
                 num_cpus=model.num_cpus,
                 num_gpus=model.num_gpus,
                 memory_gb=_memory_gb(model),

@@ -11,14 +11,21 @@ from __future__ import annotations
 from typing import Any
 
 from riskserve.pipelines.spec import PipelineSpec
+from riskserve.platform.runner import ModelStatus
 
-__all__ = ["application_status", "live_artifacts", "publish_artifacts"]
+__all__ = ["application_status", "live_artifacts", "model_status", "publish_artifacts"]
 
 
-def _model_handle(spec: PipelineSpec, model: str) -> Any:
+def _ingress(spec: PipelineSpec) -> Any:
     from ray import serve
 
-    return serve.get_deployment_handle(f"model-{model}", app_name=spec.name)
+    return serve.get_deployment_handle("ingress", app_name=spec.name)
+
+
+def model_status(spec: PipelineSpec, model: str) -> ModelStatus:
+    """What ``model`` serves now, asked of the ingress (which knows where the model runs)."""
+    status: ModelStatus = _ingress(spec).model_status.remote(model).result(timeout_s=30)
+    return status
 
 
 def application_status(name: str) -> str:
@@ -33,8 +40,9 @@ def application_status(name: str) -> str:
 
 def live_artifacts(spec: PipelineSpec) -> dict[str, str]:
     """The artifact each model of the running pipeline serves now (asked of one replica each)."""
-    calls = {name: _model_handle(spec, name).metadata.remote() for name in spec.models}
-    return {name: str(call.result(timeout_s=30)["artifact"]) for name, call in calls.items()}
+    ingress = _ingress(spec)
+    calls = {name: ingress.model_status.remote(name) for name in spec.models}
+    return {name: str(call.result(timeout_s=30).artifact) for name, call in calls.items()}
 
 
 def publish_artifacts(spec: PipelineSpec, overrides: dict[str, str]) -> None:
@@ -52,10 +60,10 @@ def publish_artifacts(spec: PipelineSpec, overrides: dict[str, str]) -> None:
     from riskserve.platform.errors import ModelUnavailable
 
     artifacts = {**live_artifacts(spec), **overrides}
-    draining = bool(serve.get_deployment_handle("ingress", app_name=spec.name).draining.remote().result())
+    draining = bool(_ingress(spec).draining.remote().result())
     app = build_application(spec, artifacts=artifacts, draining=draining)
     # Checked last, just before the deploy: a redeploy of a pipeline being deleted would bring it back.
     status = application_status(spec.name)
     if status not in ("RUNNING", "DEPLOYING"):
         raise ModelUnavailable(f"pipeline '{spec.name}' is {status}; nothing published")
-    serve.run(app, name=spec.name, route_prefix=f"/{spec.name}")
+    serve.run(app, name=spec.name, route_prefix=None)

@@ -18,10 +18,12 @@ from riskserve.platform.errors import ConfigError
 from riskserve.platform.tracing import TracingSettings
 
 __all__ = [
+    "BatchingSpec",
     "BreakerSpec",
     "DecisionSpec",
     "FallbackSpec",
     "FeedbackSpec",
+    "FrontDoorSpec",
     "ModelSpec",
     "OnlineLearningSpec",
     "Outcome",
@@ -157,6 +159,24 @@ class FeedbackSpec(_Strict):
         return StageSpec(pool=self.pool, num_cpus=self.num_cpus, replicas=1)
 
 
+class BatchingSpec(_Strict):
+    """Adaptive batching of a model in its own deployment (Serve's ``@serve.batch``): concurrent decisions'
+    inputs reach the backend as one call of up to ``max_batch_size`` items, waiting at most ``max_wait_ms``
+    for the batch to fill."""
+
+    max_batch_size: int = Field(default=16, ge=1, le=1024)
+    max_wait_ms: float = Field(default=2.0, ge=0, le=1000)
+
+
+Placement = Literal["ingress", "deployment"]
+_DEFAULT_PLACEMENT: dict[str, Placement] = {
+    "treelite": "ingress",
+    "sklearn": "ingress",
+    "vllm": "deployment",
+    "fault_injection": "deployment",
+}
+
+
 class ModelSpec(_Strict):
     """One model of the pipeline and how it is served."""
 
@@ -186,6 +206,17 @@ class ModelSpec(_Strict):
     breaker: BreakerSpec = BreakerSpec()
     online: OnlineLearningSpec | None = None
     """Learn from the pipeline's feedback (scikit-learn models; needs the pipeline's ``feedback``)."""
+    placement: Placement | None = None
+    """``ingress``: the model runs inside every ingress replica, a function call on the matrix the feature
+    stage just built (no Serve hop); ``deployment``: its own Serve deployment with its own replicas, pool
+    and GPU share. Default: ``ingress`` for ``treelite`` and ``sklearn``, ``deployment`` for ``vllm``."""
+    batching: BatchingSpec | None = None
+    """Adaptive batching across concurrent decisions (models in their own deployment only)."""
+
+    @property
+    def in_ingress(self) -> bool:
+        """Whether the model runs inside the ingress replicas (its placement, or its kind's default)."""
+        return (self.placement or _DEFAULT_PLACEMENT[self.kind]) == "ingress"
 
     @property
     def reads_text(self) -> bool:
@@ -230,18 +261,43 @@ class StageSpec(_Strict):
     max_queued_requests: QueueLimit = 256
 
 
+class FrontDoorSpec(_Strict):
+    """riskserve's own gRPC endpoint, served by every ingress replica (replicas on one node share the port
+    through ``SO_REUSEPORT``). One port per pipeline: a call naming another pipeline gets ``NOT_FOUND``."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; loopback unless the operator opens it (``0.0.0.0`` for every interface)."""
+    port: int = Field(default=9000, ge=1, le=65535)
+    """Port of this pipeline (``riskserve up --grpc-port`` overrides it)."""
+    max_receive_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    """Largest request accepted; a larger one gets RESOURCE_EXHAUSTED before it is parsed."""
+    max_send_message_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    reflection: bool = True
+    """Serve gRPC server reflection (``grpcurl list`` works without the proto)."""
+    drain_s: float = Field(default=5.0, ge=0, le=300)
+    """At shutdown: health NOT_SERVING, no new calls, calls in flight get this long to finish."""
+
+
 class ServingSpec(_Strict):
     """How the pipeline's own stages are served."""
 
+    grpc: FrontDoorSpec = FrontDoorSpec()
     features: StageSpec = StageSpec()
     ingress: StageSpec = StageSpec()
     access_log: bool = False
     """Ray Serve's per-request access log lines; off by default, they cost CPU on every hop."""
-    feature_stage: Literal["deployment", "ingress"] = "deployment"
-    """Where requests are validated and encoded, once per request batch either way: ``deployment``, a
-    Serve deployment of its own (placed by ``serving.features``, scaled apart from the ingress);
-    ``ingress``, inside each ingress replica, which saves one Serve hop per decision (``serving.features``
-    is then not deployed). The models read the matrix from Ray's object store in both."""
+    feature_stage: Literal["deployment", "ingress"] = "ingress"
+    """Where requests are validated and encoded, once per request batch either way: ``ingress`` (default),
+    inside each ingress replica, so models placed in the ingress read the matrix in process with no copy;
+    ``deployment``, a Serve deployment of its own (placed by ``serving.features``, scaled apart from the
+    ingress), one Serve hop more per decision."""
+    inline_rows: int = Field(default=64, ge=0, le=1_000_000)
+    """Batches up to this many rows are encoded and scored by in-ingress models on the event loop (tens of
+    µs); larger ones go to a worker thread, so the front door keeps answering other calls."""
+    by_value_rows: int = Field(default=256, ge=0, le=1_000_000)
+    """A model in its own deployment gets a matrix of up to this many rows by value in the call; a larger
+    one through Ray's shared-memory object store (``ray.put`` once, read without a copy), where that pays
+    (see BENCHMARKS.md for the crossover measured)."""
     decision_timeout_ms: float = Field(default=5000, gt=0, le=600_000)
     """Longest a decision may take when the caller sets no shorter deadline (``riskserve-timeout-ms``
     metadata, which RiskClient sends from its gRPC timeout); past it the call is DEADLINE_EXCEEDED."""
@@ -361,6 +417,20 @@ def _reference_errors(spec: PipelineSpec) -> list[str]:
             errors.append(f"{where}.online: needs the pipeline's 'feedback' section (where labels are kept)")
         if model.fallback.label is not None and not model.reads_text:
             errors.append(f"{where}.fallback.label: only text models have labels")
+        if model.in_ingress:
+            ingress_pool = spec.stage_pool(spec.serving.ingress)
+            if model.reads_text:
+                errors.append(f"{where}.placement: a text model (LLM) runs in its own deployment")
+            if model.num_gpus > 0:
+                errors.append(f"{where}.num_gpus: a model placed in the ingress takes no GPU share")
+            if model.replicas != 1:
+                errors.append(f"{where}.replicas: a model in the ingress runs in every ingress replica; "
+                              "scale it with serving.ingress.replicas")  # fmt: skip
+            if model.pool != ingress_pool:
+                errors.append(f"{where}.pool: a model placed in the ingress runs on the ingress's pool "
+                              f"'{ingress_pool}', not '{model.pool}'")  # fmt: skip
+            if model.batching is not None:
+                errors.append(f"{where}.batching: only models in their own deployment batch across calls")
         try:
             _, settings_class = backend(model.kind)
             settings_class.model_validate(

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from riskserve.pipelines.local import LocalState, connected, read_state, state_dir
-from riskserve.pipelines.publish import publish_artifacts
-from riskserve.pipelines.spec import PipelineSpec, load_pipeline
+from riskserve.pipelines.publish import model_status, publish_artifacts
+from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import Conflict, InvalidInput, ModelLoadError, NotFound, RiskServeError
+from riskserve.platform.runner import ModelStatus
 
 __all__ = [
     "SwapResult",
@@ -95,8 +96,8 @@ def _cause(error: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else error
 
 
-def _serving(handle: Any, probes: int) -> list[dict[str, Any]]:
-    return [handle.metadata.remote().result() for _ in range(probes)]
+def _serving(spec: PipelineSpec, model: str, probes: int) -> list[ModelStatus]:
+    return [model_status(spec, model) for _ in range(probes)]
 
 
 def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
@@ -114,11 +115,11 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
         raise NotFound(f"pipeline '{pipeline}' has no model '{model}' (models: {', '.join(spec.models)})")
     path = str(Path(artifact).resolve())
     with _exclusive(pipeline, model):
-        handle = serve.get_deployment_handle(f"model-{model}", app_name=pipeline)
-        serving = handle.metadata.remote().result()
-        old_version, old_artifact = str(serving["version"]), str(serving["artifact"])
+        ingress = serve.get_deployment_handle("ingress", app_name=pipeline)
+        serving = model_status(spec, model)
+        old_version, old_artifact = str(serving.version), serving.artifact
         try:
-            candidate = handle.verify_candidate.remote(path).result()
+            candidate = ingress.verify_candidate.remote(model, path).result()
         except Exception as error:
             cause = _cause(error)
             if isinstance(cause, RiskServeError):
@@ -132,16 +133,18 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
         started = time.monotonic()
         _adopt(spec, model, path)
         publish_artifacts(spec, {model: path})
-        answers = _serving(handle, probes=3 * spec.models[model].replicas)
-        stale = [a for a in answers if a["version"] != candidate["version"]]
+        model_spec = spec.models[model]
+        replicas = spec.serving.ingress.replicas if model_spec.in_ingress else model_spec.replicas
+        answers = _serving(spec, model, probes=3 * replicas)
+        stale = [a for a in answers if a.version != candidate.version]
         if stale:  # a replica refused the flip: put the previous artifact back everywhere
             _adopt(spec, model, old_artifact)
             publish_artifacts(spec, {model: old_artifact})
-            raise ModelLoadError(f"a replica refused the swap ({stale[0]['last_swap_error']}); rolled back")
+            raise ModelLoadError(f"a replica refused the swap ({stale[0].last_swap_error}); rolled back")
         models[model] = [*previous, path]
         _save_history(history)
         return SwapResult(
-            pipeline, model, old_version, str(candidate["version"]), path, time.monotonic() - started
+            pipeline, model, old_version, str(candidate.version), path, time.monotonic() - started
         )
 
 
@@ -177,7 +180,7 @@ def _local(pipeline: str, state: LocalState | None) -> tuple[LocalState, Pipelin
         raise NotFound("no local riskserve is running")
     if pipeline not in state.pipeline_files:
         raise NotFound(f"no pipeline '{pipeline}' is running (running: {', '.join(state.pipeline_files)})")
-    return state, load_pipeline(state.pipeline_files[pipeline])
+    return state, state.running_spec(pipeline)
 
 
 def swap_model(

@@ -118,6 +118,14 @@ class BaseModel(abc.ABC, Generic[InputT, SettingsT]):
     async def predict(self, batch: InputT) -> ModelOutput:
         """Score a batch. Raise ``InvalidInput`` naming the field for input the caller must fix."""
 
+    inline: ClassVar[bool] = False
+    """Whether :meth:`predict_now` is implemented: a synchronous predict cheap enough (microseconds for a
+    small batch) to run on the caller's event loop, sparing a thread hop that costs more than the model."""
+
+    def predict_now(self, batch: InputT) -> ModelOutput:
+        """:meth:`predict` without leaving the calling thread, for backends that set ``inline``."""
+        raise NotImplementedError(f"{type(self).__name__} has no inline predict")
+
     async def unload(self) -> None:
         """Release what ``load`` acquired. The default has nothing to release."""
 

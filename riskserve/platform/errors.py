@@ -10,6 +10,7 @@
     │   └── ArtifactIntegrityError FAILED_PRECONDITION (checksum, truncation, tampering)
     ├── MissingExtra               FAILED_PRECONDITION (an optional backend is not installed)
     ├── ModelUnavailable           UNAVAILABLE        (not loaded yet, unloaded, or broken)
+    │   └── InlineBusy             UNAVAILABLE        (inline predict refused: the engine is busy)
     ├── Overloaded                 RESOURCE_EXHAUSTED
     ├── DeadlineExceeded           DEADLINE_EXCEEDED
     └── Conflict                   ABORTED            (a concurrent operation already runs)
@@ -28,6 +29,7 @@ __all__ = [
     "ConfigError",
     "Conflict",
     "DeadlineExceeded",
+    "InlineBusy",
     "InvalidInput",
     "MissingExtra",
     "ModelLoadError",
@@ -104,6 +106,11 @@ class ModelUnavailable(RiskServeError):
     """The model cannot answer now (not ready, unloaded, or failing); retrying later may succeed."""
 
     grpc_status = grpc.StatusCode.UNAVAILABLE
+
+
+class InlineBusy(ModelUnavailable):
+    """An inline predict would wait for an engine another thread holds; the caller takes a worker thread
+    instead of blocking its event loop (never reaches a client)."""
 
 
 class Overloaded(RiskServeError):

@@ -34,9 +34,24 @@ class ModelHost(Generic[InputT]):
 
     async def predict(self, batch: InputT, rows: int) -> ModelOutput:
         """Predict ``rows`` rows on a ready model; check it gave one finite score in [0, 1] per row."""
+        self._require_ready()
+        return self._checked(await self.model.predict(batch), rows)
+
+    @property
+    def inline(self) -> bool:
+        """Whether the model can predict synchronously on the caller's thread (:meth:`predict_now`)."""
+        return self.model.inline
+
+    def predict_now(self, batch: InputT, rows: int) -> ModelOutput:
+        """:meth:`predict` on the calling thread (backends with ``inline``), with the same checks."""
+        self._require_ready()
+        return self._checked(self.model.predict_now(batch), rows)
+
+    def _require_ready(self) -> None:
         if not self.model.ready:
             raise ModelUnavailable(f"model '{self.model.name}' is not ready")
-        output = await self.model.predict(batch)
+
+    def _checked(self, output: ModelOutput, rows: int) -> ModelOutput:
         scores = output.scores
         if scores.shape != (rows,):
             raise ModelUnavailable(

@@ -34,7 +34,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -50,7 +50,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBasedTraceIdRatio, Sampler
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, get_current_span
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode, Tracer, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 from pydantic import BaseModel as _Schema
@@ -74,6 +74,7 @@ __all__ = [
     "flush_tracing",
     "inject",
     "mark_error",
+    "optional_span",
     "shutdown_tracing",
     "span_to_dict",
     "start_span",
@@ -402,6 +403,23 @@ def start_span(
     tracer = _current().tracer
     with tracer.start_as_current_span(name, context=context, kind=kind, attributes=clean) as span:
         yield span
+
+
+def optional_span(
+    enabled: bool,
+    name: str,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+    attributes: Mapping[str, AttributeValue | None] | None = None,
+) -> AbstractContextManager[Span]:
+    """:func:`start_span` when ``enabled`` (the trace is sampled), else a no-op span for free.
+
+    A child of an unsampled trace records nothing either; skipping it spares the context switch and
+    attribute work on every decision that is not sampled. The trace id still reaches the caller.
+    """
+    if enabled:
+        return start_span(name, kind=kind, attributes=attributes)
+    return nullcontext(INVALID_SPAN)
 
 
 def mark_error(error: BaseException | str, span: Span | None = None) -> None:

@@ -2,8 +2,9 @@
 
 A served version is an immutable :class:`LinearSnapshot`. ``partial_fit`` never touches it: it trains a
 copy and publishes a new snapshot with one reference assignment, so a batch in flight finishes on the
-version it started with. Scoring threads build their own scaler and classifier per version
-(thread-local), so no scikit-learn object is ever shared between a reader and the writer.
+version it started with. Scoring reads the snapshot's read-only arrays directly
+(:meth:`LinearSnapshot.score`, checked equal to scikit-learn's ``predict_proba`` at every load), so no
+scikit-learn object is ever shared between a reader and the writer; training builds its own per step.
 
 Artifacts hold parameters as JSON (``params.json``) and a golden check set (``golden.json``) beside a
 sha256 manifest: reading a model file can never execute code.
@@ -12,6 +13,7 @@ sha256 manifest: reading a model file can never execute code.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -22,10 +24,10 @@ from typing import Any, Literal
 
 import joblib
 import numpy as np
-import sklearn
 from numpy.typing import NDArray
 from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict, Field, ValidationError, field_validator
+from scipy.special import expit
 from sklearn.linear_model import LogisticRegression, SGDClassifier
 from sklearn.preprocessing import StandardScaler
 
@@ -49,6 +51,7 @@ __all__ = [
     "ScalerParams",
     "SklearnModel",
     "SklearnSettings",
+    "check_direct_scoring",
     "load_sklearn_artifact",
     "save_sklearn_artifact",
     "snapshot_from_logistic_regression",
@@ -177,6 +180,29 @@ class LinearSnapshot:
         classifier.n_features_in_ = self.width
         return classifier
 
+    def score(self, batch: NDArray[np.float32]) -> NDArray[np.float64]:
+        """P(class 1) per row straight from the coefficients, step for step what scikit-learn computes.
+
+        ``StandardScaler.transform`` on float32 rows subtracts the mean and divides by the scale in
+        float32 (both cast to float32); ``predict_proba`` is ``expit(x_scaled @ coef + intercept)`` in
+        float64. The same steps in numpy give the same numbers (checked against scikit-learn at every
+        load) at a fraction of ``predict_proba``'s cost on one row: no estimator objects, no validation.
+        """
+        scaled = (batch - self.mean32) / self.scale32
+        z = scaled.astype(np.float64) @ self.coef
+        z += self.params.intercept
+        return np.ascontiguousarray(expit(z), dtype=np.float64)
+
+    @functools.cached_property
+    def mean32(self) -> NDArray[np.float32]:
+        """The scaler's mean as scikit-learn applies it to float32 rows."""
+        return self.mean.astype(np.float32)
+
+    @functools.cached_property
+    def scale32(self) -> NDArray[np.float32]:
+        """The scaler's scale as scikit-learn applies it to float32 rows."""
+        return self.scale.astype(np.float32)
+
     def score_floor(self, batch: NDArray[np.float32]) -> NDArray[np.float64]:
         """Plain numpy ``expit(((x - mean) / scale) @ w + b)``: the floor scikit-learn is measured against."""
         z = ((batch - self.mean) / self.scale) @ self.coef + self.params.intercept
@@ -222,22 +248,6 @@ class SklearnSettings(ModelSettings):
     """Versions kept in memory (the serving one included), so a recent one can be reactivated."""
 
 
-class _ThreadLocalEstimators(threading.local):
-    """Per-thread (scaler, classifier) pairs keyed by version: readers never share sklearn objects."""
-
-    def __init__(self) -> None:
-        self.by_version: OrderedDict[str, tuple[StandardScaler, SGDClassifier]] = OrderedDict()
-
-    def get(self, snapshot: LinearSnapshot) -> tuple[StandardScaler, SGDClassifier]:
-        pair = self.by_version.get(snapshot.version)
-        if pair is None:
-            pair = (snapshot.make_scaler(), snapshot.make_classifier())
-            self.by_version[snapshot.version] = pair
-            while len(self.by_version) > 2:
-                self.by_version.popitem(last=False)
-        return pair
-
-
 class SklearnModel(BaseModel[FeatureMatrix, SklearnSettings]):
     """Fraud score from an online logistic regression; ``partial_fit`` publishes a new immutable version."""
 
@@ -249,7 +259,6 @@ class SklearnModel(BaseModel[FeatureMatrix, SklearnSettings]):
         self._current: LinearSnapshot | None = None
         self._history: OrderedDict[str, LinearSnapshot] = OrderedDict()
         self._feature_names: list[str] = []
-        self._local = _ThreadLocalEstimators()
         self._write_lock = threading.Lock()
         self._pool: joblib.Parallel | None = None
         self._pool_lock = threading.Lock()
@@ -281,30 +290,30 @@ class SklearnModel(BaseModel[FeatureMatrix, SklearnSettings]):
             self._pool = joblib.Parallel(n_jobs=self.settings.n_jobs, backend="threading")
             self._pool.__enter__()
 
+    inline = True
+
     async def predict(self, batch: FeatureMatrix) -> ModelOutput:
         snapshot = self.snapshot
         check_feature_matrix(batch, self._feature_names)
         scores = await asyncio.to_thread(self.score_sync, batch, snapshot)
         return ModelOutput(scores=scores, version=snapshot.version)
 
+    def predict_now(self, batch: FeatureMatrix) -> ModelOutput:
+        """Score on the calling thread: a few microseconds for a small batch, less than a thread hop."""
+        snapshot = self.snapshot  # read once: a publish during this call does not change what it runs on
+        check_feature_matrix(batch, self._feature_names)
+        return ModelOutput(scores=snapshot.score(batch), version=snapshot.version)
+
     def score_sync(self, batch: FeatureMatrix, snapshot: LinearSnapshot | None = None) -> NDArray[np.float64]:
         """Score with one version from start to end; large batches are split over threads."""
         snapshot = snapshot or self.snapshot
         pool = self._pool
         if pool is None or batch.shape[0] < self.settings.parallel_min_rows:
-            return self._score_chunk(snapshot, batch)
+            return snapshot.score(batch)
         chunks = np.array_split(batch, self.settings.n_jobs)
         with self._pool_lock:  # one joblib pool, one large batch at a time: each already uses every thread
-            parts = pool(joblib.delayed(self._score_chunk)(snapshot, chunk) for chunk in chunks)
+            parts = pool(joblib.delayed(snapshot.score)(chunk) for chunk in chunks)
         return np.concatenate(parts)
-
-    def _score_chunk(self, snapshot: LinearSnapshot, chunk: NDArray[np.float32]) -> NDArray[np.float64]:
-        scaler, classifier = self._local.get(snapshot)
-        # The batch was checked (finite, float32, right width) before it got here; sklearn's own checks
-        # would cost more than the scoring (about half of a one-row call). The config is thread-local.
-        with sklearn.config_context(assume_finite=True, skip_parameter_validation=True):
-            probabilities = classifier.predict_proba(scaler.transform(chunk))
-        return np.ascontiguousarray(probabilities[:, 1], dtype=np.float64)
 
     def partial_fit(self, batch: FeatureMatrix, labels: Sequence[int] | NDArray[np.integer[Any]]) -> str:
         """Train one SGD epoch on a copy of the serving version, publish it, and return the new version.
@@ -415,7 +424,31 @@ def load_sklearn_artifact(path: Path | str) -> tuple[Artifact, LinearSnapshot]:
         raise ModelLoadError(f"{artifact.root}: {PARAMS_FILE} is not in canonical form")
     if GOLDEN_FILE in artifact.manifest.files:
         _check_golden(artifact, snapshot)
+    check_direct_scoring(snapshot, _probe_rows(artifact, snapshot))
     return artifact, snapshot
+
+
+def _probe_rows(artifact: Artifact, snapshot: LinearSnapshot) -> NDArray[np.float32]:
+    """The golden rows, or (without a golden set) rows around the scaler's mean."""
+    if GOLDEN_FILE in artifact.manifest.files:
+        return np.ascontiguousarray(artifact.read_json(GOLDEN_FILE)["x"], dtype=np.float32)
+    offsets = np.array([-2.0, -0.5, 0.0, 0.5, 2.0])[:, None]
+    return np.ascontiguousarray(snapshot.mean + offsets * snapshot.scale, dtype=np.float32)
+
+
+def check_direct_scoring(snapshot: LinearSnapshot, rows: NDArray[np.float32]) -> float:
+    """Refuse a version whose direct scores (:meth:`LinearSnapshot.score`) differ from scikit-learn's
+    ``predict_proba`` on ``rows`` by more than 1e-9; returns the largest difference.
+
+    Raises:
+        ModelLoadError: they differ (a numpy or scikit-learn change broke the equivalence).
+    """
+    diff = float(np.max(np.abs(snapshot.score(rows) - snapshot_scores(snapshot, rows))))
+    if not diff <= _GOLDEN_TOLERANCE:
+        raise ModelLoadError(
+            f"direct scoring differs from scikit-learn's predict_proba by {diff:.3g} on the check rows"
+        )
+    return diff
 
 
 def _check_golden(artifact: Artifact, snapshot: LinearSnapshot) -> None:

@@ -55,7 +55,7 @@ from riskserve.platform.artifacts import (
     write_manifest,
 )
 from riskserve.platform.base_model import BaseModel, ModelOutput, ModelSettings
-from riskserve.platform.errors import InvalidInput, ModelLoadError, ModelUnavailable
+from riskserve.platform.errors import InlineBusy, InvalidInput, ModelLoadError, ModelUnavailable
 from riskserve.platform.validation import FeatureMatrix, check_feature_matrix
 
 __all__ = [
@@ -246,6 +246,25 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
         engine = self._require_engine()
         rows = check_feature_matrix(batch, engine.feature_names)
         scores = await asyncio.to_thread(_run_locked, engine, rows)
+        return ModelOutput(scores=scores, version=engine.version)
+
+    inline = True
+
+    def predict_now(self, batch: FeatureMatrix) -> ModelOutput:
+        """Score on the calling thread (a compiled call: microseconds for a few rows).
+
+        Raises:
+            InlineBusy: a large batch holds the engine in a worker thread; the caller must not wait on
+                its event loop, so it takes the threaded path instead.
+        """
+        engine = self._require_engine()
+        rows = check_feature_matrix(batch, engine.feature_names)
+        if not engine.lock.acquire(blocking=False):
+            raise InlineBusy(f"model '{self.name}' is scoring another batch")
+        try:
+            scores = _run_unlocked(engine, rows)
+        finally:
+            engine.lock.release()
         return ModelOutput(scores=scores, version=engine.version)
 
     def predict_sync(self, batch: FeatureMatrix) -> NDArray[np.float64]:
@@ -553,12 +572,17 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
 
 def _run_locked(engine: _Engine, batch: FeatureMatrix) -> NDArray[np.float64]:
     """One engine call at a time (tl2cgen's contract), flattened to float64 ``(n,)``."""
-    rows = batch.shape[0]
     with engine.lock:
-        try:
-            raw = engine.run(batch)
-        except (tl2cgen.TL2cgenError, treelite.TreeliteError, ValueError) as error:
-            raise ModelUnavailable(f"prediction failed: {error}") from error
+        return _run_unlocked(engine, batch)
+
+
+def _run_unlocked(engine: _Engine, batch: FeatureMatrix) -> NDArray[np.float64]:
+    """An engine call by a caller that holds ``engine.lock``."""
+    rows = batch.shape[0]
+    try:
+        raw = engine.run(batch)
+    except (tl2cgen.TL2cgenError, treelite.TreeliteError, ValueError) as error:
+        raise ModelUnavailable(f"prediction failed: {error}") from error
     scores = np.asarray(raw, dtype=np.float64)
     if scores.size != rows:
         raise ModelUnavailable(f"the predictor returned shape {scores.shape} for {rows} rows")

@@ -1,4 +1,9 @@
-"""Real Ray Serve with its gRPC proxy on loopback, shared by the integration tests of a session."""
+"""Real Ray Serve on loopback, shared by the integration tests of a session.
+
+Serve runs without its proxies: each deployed pipeline's ingress replicas serve riskserve's own gRPC front
+door on a port of their own (:func:`pipeline_on` gives every pipeline a free one; :func:`endpoint` and
+:func:`channel` dial it).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import grpc
 import pytest
 import yaml
 
+from riskserve.pipelines.endpoints import endpoint_of
 from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 
 from ..conftest import PIPELINES
@@ -36,22 +42,25 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class ServeCluster:
-    """A running Ray + Serve with the riskserve gRPC service registered."""
+    """A running Ray + Serve (no proxies: pipelines serve their own gRPC ports)."""
 
-    grpc_port: int
     metrics_port: int = 0
 
-    def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
+
+def endpoint(spec: PipelineSpec) -> str:
+    """``127.0.0.1:PORT`` of a deployed pipeline's front door."""
+    return endpoint_of(spec)
+
+
+def channel(spec: PipelineSpec) -> grpc.Channel:
+    """A new channel to a deployed pipeline's front door."""
+    return grpc.insecure_channel(endpoint_of(spec))
 
 
 @pytest.fixture(scope="session")
 def serve_cluster() -> Iterator[ServeCluster]:
     import ray
     from ray import serve
-    from ray.serve.config import gRPCOptions
-
-    from riskserve.pipelines.app import GRPC_SERVICER_FUNCTIONS
 
     metrics_port = free_port()
     ray.init(
@@ -62,13 +71,9 @@ def serve_cluster() -> Iterator[ServeCluster]:
         log_to_driver=False,
         _metrics_export_port=metrics_port,
     )
-    port = free_port()
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": free_port()},
-        grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
-    )
+    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
     try:
-        yield ServeCluster(grpc_port=port, metrics_port=metrics_port)
+        yield ServeCluster(metrics_port=metrics_port)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -81,16 +86,21 @@ GENEROUS_TIMEOUT_MS = 20_000
 def pipeline_on(yaml_name: str, models: Path, **overrides: Any) -> PipelineSpec:
     """A shipped pipeline YAML with its artifacts pointed at ``models`` (the session's demo models).
 
-    Model timeouts are raised to :data:`GENEROUS_TIMEOUT_MS`; the resilience tests set their own.
+    Model timeouts are raised to :data:`GENEROUS_TIMEOUT_MS`; the resilience tests set their own. The
+    pipeline gets a free gRPC port of its own (``serving.grpc.port``), unless ``overrides`` set one.
     """
     data = copy.deepcopy(yaml.safe_load((PIPELINES / yaml_name).read_text()))
+    data.setdefault("serving", {}).setdefault("grpc", {})["port"] = free_port()
     for model_name, model in data["models"].items():
         model["artifact"] = str(models / model_name)
         model["timeout_ms"] = GENEROUS_TIMEOUT_MS
     data.setdefault("serving", {})["decision_timeout_ms"] = GENEROUS_TIMEOUT_MS
     if "feedback" in data:  # every deployment of a test gets a log of its own, never one in the repo
         data["feedback"]["log_path"] = str(Path(tempfile.mkdtemp(prefix="feedback-")) / "log.sqlite")
+    serving = overrides.pop("serving", None)
     data.update(overrides)
+    if serving is not None:  # merged, so an override of the serving section keeps the free port
+        data["serving"] = {**data["serving"], **serving}
     return parse_pipeline(data, base_dir=PIPELINES, source=yaml_name)
 
 
@@ -100,7 +110,7 @@ def deploy(spec: PipelineSpec) -> None:
 
     from riskserve.pipelines.app import build_application
 
-    serve.run(build_application(spec), name=spec.name, route_prefix=f"/{spec.name}")
+    serve.run(build_application(spec), name=spec.name, route_prefix=None)
 
 
 @pytest.fixture(autouse=True, scope="module")

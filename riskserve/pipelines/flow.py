@@ -1,0 +1,131 @@
+"""The flow of one decision batch: features once, every model (in parallel where it pays), then the rules.
+
+The feature stage validates first, so bad input is INVALID_ARGUMENT naming the field and reaches no
+model. Models in their own deployments are started first, so their hops overlap with the work that stays
+in process; a small batch's in-ingress models then run as plain function calls on the event loop, a large
+batch's in a worker thread. The rules and the responses follow, and the batch's decisions are buffered
+for the feedback log after the answer is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from riskserve.features.stage import FeatureStage, StageResult
+from riskserve.learning.recorder import DecisionRecorder
+from riskserve.pipelines.guarded_call import GuardedModel
+from riskserve.pipelines.messages import decide_response, raw_request
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.recording import record_decisions
+from riskserve.pipelines.rules import DecisionEngine, ModelResult
+from riskserve.pipelines.spec import PipelineSpec
+from riskserve.platform.errors import DeadlineExceeded, InlineBusy
+from riskserve.platform.metrics import PipelineMetrics
+from riskserve.platform.tracing import SPAN_DECISION, inject, optional_span
+
+__all__ = ["DecisionFlow"]
+
+
+class DecisionFlow:
+    """Decides batches of requests for one pipeline, inside an ingress replica."""
+
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        *,
+        models: dict[str, GuardedModel],
+        local_stage: FeatureStage | None,
+        stage_handle: Any = None,
+        recorder: DecisionRecorder | None = None,
+    ) -> None:
+        """``local_stage``: encode in this process; else ``stage_handle``, the feature-stage deployment."""
+        self.spec = spec
+        self.models = models
+        self._names = list(spec.models)
+        self._local_stage = local_stage
+        self._stage_handle = stage_handle
+        self.recorder = recorder
+        self.metrics = PipelineMetrics(spec.name)
+        self._engine = DecisionEngine(spec)
+        self._inline_rows = spec.serving.inline_rows
+        self._any_in_process = any(m.spec.in_ingress for m in models.values())
+
+    async def decide(
+        self, requests: Sequence[pb.DecideRequest], trace_id: str, deadline: float, traced: bool
+    ) -> list[pb.DecideResponse]:
+        """Decide every request; the responses come in the same order."""
+        started = time.perf_counter()
+        stage = await self._features([raw_request(r) for r in requests], deadline, traced)
+        self.metrics.feature_latency(stage.latency_ms / 1e3)
+        per_model = await self._run_models(stage, deadline, traced)
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded("the decision's deadline passed while the models ran")
+        ids = [r.request_id or uuid.uuid4().hex for r in requests]
+        responses = []
+        for i, request_id in enumerate(ids):
+            results = {name: per_model[name][i] for name in self._names}
+            with optional_span(traced, SPAN_DECISION, attributes={"request.id": request_id}) as span:
+                decision = self._engine.decide(stage.rows[i], results)
+                span.set_attributes({"outcome": decision.outcome, "risk_score": decision.risk_score})
+            self.metrics.decision(decision.outcome)
+            responses.append(
+                decide_response(
+                    request_id=request_id,
+                    decision=decision,
+                    results=results,
+                    spec=self.spec,
+                    trace_id=trace_id,
+                )
+            )
+        if self.recorder is not None:
+            record_decisions(self.recorder, self.spec.name, ids, stage, per_model)
+        self.metrics.decision_latency(time.perf_counter() - started)
+        return responses
+
+    async def _features(self, raw: list[Any], deadline: float, traced: bool) -> StageResult:
+        """Validate and encode once: in process (inline when small), or in the feature-stage deployment."""
+        trace = inject() if traced else None
+        if self._local_stage is not None:
+            if len(raw) <= self._inline_rows:
+                return self._local_stage.encode(raw, trace, share=False)
+            return await asyncio.to_thread(self._local_stage.encode, raw, trace, True, share=False)
+        keep = self.recorder is not None or self._any_in_process
+        call = self._stage_handle.encode.remote(raw, trace=trace or inject(), keep_matrix=keep)
+        try:
+            result: StageResult = await asyncio.wait_for(call, timeout=max(deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            call.cancel()
+            raise DeadlineExceeded("the decision's deadline passed in the feature stage") from None
+        return result
+
+    async def _run_models(
+        self, stage: StageResult, deadline: float, traced: bool
+    ) -> dict[str, list[ModelResult]]:
+        """Every model's results: remote and threaded calls started first, inline calls meanwhile."""
+        pending: dict[str, asyncio.Task[list[ModelResult]]] = {}
+        now: list[GuardedModel] = []
+        for name in self._names:
+            model = self.models[name]
+            if model.runs_now(stage):
+                now.append(model)
+            else:
+                pending[name] = asyncio.ensure_future(model.call(stage, deadline, traced))
+        results: dict[str, list[ModelResult]] = {}
+        try:
+            for model in now:
+                try:
+                    results[model.name] = model.call_now(stage, deadline, traced)
+                except InlineBusy:  # its engine is busy with a large batch: wait for it off the loop
+                    pending[model.name] = asyncio.ensure_future(model.call(stage, deadline, traced))
+            if pending:
+                done = await asyncio.gather(*pending.values())
+                results.update(zip(pending, done, strict=True))
+        except BaseException:
+            for task in pending.values():
+                task.cancel()
+            raise
+        return results

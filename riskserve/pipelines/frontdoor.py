@@ -1,0 +1,232 @@
+"""riskserve's own gRPC front door, served by every ingress replica (not Ray Serve's gRPC proxy).
+
+One grpc.aio server per ingress replica, on the pipeline's ``serving.grpc`` address (127.0.0.1 unless the
+operator opens it); replicas on one node share the port through ``SO_REUSEPORT``, so the kernel spreads
+connections over them and a replica that restarts binds it again. Each RPC becomes exactly one status:
+riskserve's typed errors map by class (bad input INVALID_ARGUMENT naming the field, never UNKNOWN), a call
+that names another pipeline (``application`` metadata) or none is NOT_FOUND, and the caller's real gRPC
+deadline bounds the decision. ``grpc.health.v1`` answers from the state the ingress keeps (never a fan-out
+per call) and server reflection is on. Shutdown drains: NOT_SERVING, no new calls, calls in flight finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from riskserve.pipelines.grpc_status import status_of
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.pipelines.spec import FrontDoorSpec
+from riskserve.platform.errors import InvalidInput, NotFound
+from riskserve.platform.metrics import PipelineMetrics
+from riskserve.platform.tracing import (
+    SPAN_DECIDE,
+    SpanKind,
+    carrier_from_grpc,
+    current_trace_id,
+    extract,
+    mark_error,
+    start_span,
+)
+
+__all__ = ["APPLICATION_METADATA", "DEADLINE_METADATA", "MAX_BATCH", "SERVICE_NAME", "FrontDoor", "Pipeline"]
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "riskserve.v1.RiskPipeline"
+APPLICATION_METADATA = "application"
+"""Metadata key naming the pipeline a call is for; required, so a decision never comes from another."""
+DEADLINE_METADATA = "riskserve-timeout-ms"
+"""Optional metadata with a budget in ms; the gRPC deadline is used too (the shorter one wins)."""
+MAX_BATCH = 1024
+
+
+class Pipeline(Protocol):
+    """What the front door asks of the ingress behind it."""
+
+    name: str
+    metrics: PipelineMetrics
+    decision_timeout_ms: float
+
+    async def decide(
+        self, requests: Sequence[pb.DecideRequest], trace_id: str, deadline: float, traced: bool
+    ) -> list[pb.DecideResponse]: ...
+
+    async def describe(self) -> pb.DescribeResponse: ...
+
+    async def feedback(self, request: pb.FeedbackRequest) -> pb.FeedbackResponse: ...
+
+
+def _metadata(context: Any) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in context.invocation_metadata() or ():
+        out[str(key)] = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+    return out
+
+
+class _Service(pb_grpc.RiskPipelineServicer):
+    """The RPCs of ``riskserve.v1.RiskPipeline``: routing check, deadline, root span, one status each."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self._pipeline = pipeline
+
+    def _route(self, metadata: dict[str, str]) -> None:
+        named = metadata.get(APPLICATION_METADATA)
+        mine = self._pipeline.name
+        if not named:
+            raise NotFound(
+                f"no pipeline named: send the '{APPLICATION_METADATA}' metadata "
+                f"(this endpoint serves '{mine}')"
+            )
+        if named != mine:
+            raise NotFound(f"pipeline '{named}' is not served here (this endpoint serves '{mine}')")
+
+    def _deadline(self, metadata: dict[str, str], context: Any) -> float:
+        """Monotonic time by which to answer: the gRPC deadline, the metadata budget, the pipeline's own."""
+        budget_s = self._pipeline.decision_timeout_ms / 1e3
+        remaining = context.time_remaining()
+        if remaining is not None:
+            budget_s = min(budget_s, float(remaining))
+        value = metadata.get(DEADLINE_METADATA)
+        if value is not None:
+            try:
+                budget_s = min(budget_s, float(value) / 1e3)
+            except ValueError:
+                raise InvalidInput(
+                    f"'{value}' is not a number of milliseconds", field=DEADLINE_METADATA
+                ) from None
+        return time.monotonic() + budget_s
+
+    def _failed(self, error: BaseException, span: Any, context: Any) -> None:
+        cause = getattr(error, "cause", error)
+        if isinstance(cause, InvalidInput):
+            self._pipeline.metrics.invalid(cause.field or "request")
+        if span is not None:
+            mark_error(error, span)
+        code, details = status_of(error)
+        context.set_code(code)
+        context.set_details(details)
+
+    async def _decide(self, requests: Sequence[pb.DecideRequest], context: Any, method: str) -> Any:
+        metadata = _metadata(context)
+        attributes: dict[str, str | int] = {
+            "pipeline": self._pipeline.name,
+            "request.count": len(requests),
+            "rpc.method": method,
+        }
+        parent = extract(carrier_from_grpc(context))
+        with start_span(SPAN_DECIDE, context=parent, kind=SpanKind.SERVER, attributes=attributes) as span:
+            try:
+                self._route(metadata)
+                if not 0 < len(requests) <= MAX_BATCH:
+                    count = len(requests)
+                    raise InvalidInput(f"expected 1 to {MAX_BATCH} requests, got {count}", field="requests")
+                deadline = self._deadline(metadata, context)
+                traced = bool(span.is_recording())
+                return await self._pipeline.decide(requests, current_trace_id(), deadline, traced)
+            except Exception as error:  # every failure becomes its status, never UNKNOWN
+                self._failed(error, span, context)
+                return None
+
+    async def Decide(self, request: pb.DecideRequest, context: Any) -> pb.DecideResponse:  # noqa: N802
+        """One decision, traced as one trace (continuing the caller's ``traceparent``)."""
+        responses = await self._decide((request,), context, "Decide")
+        return responses[0] if responses else pb.DecideResponse()
+
+    async def DecideBatch(  # noqa: N802
+        self, request: pb.DecideBatchRequest, context: Any
+    ) -> pb.DecideBatchResponse:
+        """Many decisions in one call: one feature matrix, one call per model; same order as requested."""
+        responses = await self._decide(list(request.requests), context, "DecideBatch")
+        return pb.DecideBatchResponse(responses=responses or [])
+
+    async def _simple(self, call: Callable[[], Awaitable[Any]], empty: Any, context: Any) -> Any:
+        try:
+            self._route(_metadata(context))
+            return await call()
+        except Exception as error:
+            self._failed(error, None, context)
+            return empty
+
+    async def Describe(self, request: pb.DescribeRequest, context: Any) -> pb.DescribeResponse:  # noqa: N802
+        """The pipeline's features and models with their serving versions."""
+        response: pb.DescribeResponse = await self._simple(
+            self._pipeline.describe, pb.DescribeResponse(), context
+        )
+        return response
+
+    async def Feedback(self, request: pb.FeedbackRequest, context: Any) -> pb.FeedbackResponse:  # noqa: N802
+        """The true outcome of a past decision; answered once the label is durable."""
+        response: pb.FeedbackResponse = await self._simple(
+            lambda: self._pipeline.feedback(request), pb.FeedbackResponse(), context
+        )
+        return response
+
+
+class FrontDoor:
+    """The gRPC server of one ingress replica: start, serve, report health, drain, stop."""
+
+    def __init__(self, pipeline: Pipeline, settings: FrontDoorSpec) -> None:
+        self._pipeline = pipeline
+        self._settings = settings
+        self._server: grpc.aio.Server | None = None
+        self._health = health_aio.HealthServicer()
+        self._services = ("", SERVICE_NAME, pipeline.name)
+        self.port = 0
+
+    async def start(self) -> int:
+        """Bind and serve; returns the port. NOT_SERVING until :meth:`set_serving` says otherwise.
+
+        Raises:
+            ModelUnavailable: the address cannot be bound (in use by something that is not a replica).
+        """
+        from riskserve.platform.errors import ModelUnavailable
+
+        options = [
+            ("grpc.so_reuseport", 1),
+            ("grpc.max_receive_message_length", self._settings.max_receive_message_bytes),
+            ("grpc.max_send_message_length", self._settings.max_send_message_bytes),
+        ]
+        server = grpc.aio.server(options=options)
+        pb_grpc.add_RiskPipelineServicer_to_server(_Service(self._pipeline), server)  # type: ignore[no-untyped-call]
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        if self._settings.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME), server,
+            )  # fmt: skip
+        address = f"{self._settings.host}:{self._settings.port}"
+        try:
+            self.port = server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise ModelUnavailable(f"cannot bind the gRPC endpoint {address}: {error}") from error
+        for service in self._services:
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        self._server = server
+        logger.info("pipeline '%s': gRPC on %s", self._pipeline.name, address)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        """Report SERVING or NOT_SERVING for the pipeline's services (Watch streams see the change)."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in self._services:
+            await self._health.set(service, status)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: NOT_SERVING, refuse new calls, let calls in flight finish within ``grace_s``, stop."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        await self._health.enter_graceful_shutdown()
+        await server.stop(self._settings.drain_s if grace_s is None else grace_s)
