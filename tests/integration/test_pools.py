@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from riskserve.pipelines.pools import (
+    ingress_cpus,
     PIN_UNITS,
     actor_options,
     check_pools,
@@ -53,17 +54,23 @@ RAY_ENV = {
 MB = 1024 * 1024
 
 
-def _card_fraud() -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load((PIPELINES / "card_fraud.yaml").read_text())
-    return copy.deepcopy(data)
+def _card_fraud(*, deployments: bool = True) -> dict[str, Any]:
+    """The shipped card_fraud; ``deployments``: every model and the feature stage in a deployment of its
+    own (what these tests place on pools one by one), instead of the tabular models inside the ingress."""
+    data: dict[str, Any] = copy.deepcopy(yaml.safe_load((PIPELINES / "card_fraud.yaml").read_text()))
+    if deployments:
+        for model in data["models"].values():
+            model["placement"] = "deployment"
+        data.setdefault("serving", {})["feature_stage"] = "deployment"
+    return data
 
 
 def _parse(data: dict[str, Any]) -> PipelineSpec:
     return parse_pipeline(data, base_dir=PIPELINES, source="card_fraud.yaml")
 
 
-def _edited(edit: Callable[[dict[str, Any]], object]) -> PipelineSpec:
-    data = _card_fraud()
+def _edited(edit: Callable[[dict[str, Any]], object], *, deployments: bool = True) -> PipelineSpec:
+    data = _card_fraud(deployments=deployments)
     edit(data)
     return _parse(data)
 
@@ -87,22 +94,36 @@ def gpu_pipeline() -> PipelineSpec:
 
 
 def test_shipped_pipeline_fits_its_pools() -> None:
-    spec = _parse(_card_fraud())
+    spec = _parse(_card_fraud(deployments=False))
     demands = pool_demands(spec)
     assert set(demands) == {"cpu", "llm"}
     cpu = demands["cpu"]
-    assert cpu.cpus == pytest.approx(1.0)  # credit, fraud, features, ingress at 0.25
+    # credit and fraud run inside the ingress: their shares count once per ingress replica, and the
+    # feature stage is encoded there too (no deployment of its own).
+    assert cpu.cpus == pytest.approx(0.75)
     assert [(p.deployment, p.replicas, p.num_cpus) for p in cpu.placements] == [
-        ("credit", 1, 0.25),
-        ("fraud", 1, 0.25),
-        ("features", 1, 0.25),
+        ("ingress (credit)", 1, 0.25),
+        ("ingress (fraud)", 1, 0.25),
         ("ingress", 1, 0.25),
         ("feedback", 1, 0.0),
     ]
+    assert ingress_cpus(spec) == pytest.approx(0.75)  # what Ray is asked for one ingress replica
     assert demands["llm"].cpus == pytest.approx(1.0)
     assert demands["llm"].gpus == 0.0
     assert overcommit_errors(spec) == []
     check_pools(spec)
+
+
+def test_models_in_the_ingress_count_once_per_ingress_replica() -> None:
+    spec = _edited(
+        lambda d: d.setdefault("serving", {}).update(ingress={"replicas": 2, "num_cpus": 0.25}),
+        deployments=False,
+    )
+    cpu = pool_demands(spec)["cpu"]
+    assert cpu.cpus == pytest.approx(2 * 0.75)
+    assert ingress_cpus(spec) == pytest.approx(0.75)
+    placed = {p.deployment: p.replicas for p in cpu.placements}
+    assert placed["ingress (credit)"] == placed["ingress (fraud)"] == placed["ingress"] == 2
 
 
 def test_gpu_pool_demand_sums_fractions() -> None:
@@ -162,16 +183,16 @@ def test_more_than_one_gpu_must_be_whole() -> None:
 
 def test_pipelines_sharing_a_pool_add_up() -> None:
     card = _parse(_card_fraud())
-    tabular = parse_pipeline(
-        yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text()), base_dir=PIPELINES
-    )
-    assert pool_demands([card, tabular])["cpu"].cpus == pytest.approx(2.0)  # exactly the 2 CPUs of the pool
+    tabular_data = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
+    tabular = parse_pipeline(tabular_data, base_dir=PIPELINES)  # its two models inside its ingress
+    # card_fraud: credit, fraud, features, ingress at 0.25 each; tabular_only: one ingress of 0.75.
+    assert pool_demands([card, tabular])["cpu"].cpus == pytest.approx(1.75)
     assert overcommit_errors([card, tabular]) == []
-    busier = _edited(lambda d: d["models"]["fraud"].update(replicas=2))
+    busier = _edited(lambda d: d["models"]["fraud"].update(replicas=3))
     assert overcommit_errors([busier, tabular]) == [
-        "pools.cpu: models need 2.25 CPUs (card_fraud/credit 1 x 0.25, card_fraud/fraud 2 x 0.25, "
-        "card_fraud/features 1 x 0.25, card_fraud/ingress 1 x 0.25, tabular_only/credit 1 x 0.25, "
-        "tabular_only/fraud 1 x 0.25, tabular_only/features 1 x 0.25, tabular_only/ingress 1 x 0.25), "
+        "pools.cpu: models need 2.25 CPUs (card_fraud/credit 1 x 0.25, card_fraud/fraud 3 x 0.25, "
+        "card_fraud/features 1 x 0.25, card_fraud/ingress 1 x 0.25, tabular_only/ingress (credit) 1 x 0.25, "
+        "tabular_only/ingress (fraud) 1 x 0.25, tabular_only/ingress 1 x 0.25), "
         "the pool has 2"
     ]
 
