@@ -1,0 +1,64 @@
+"""Adaptive batching of the LLM (``batching:`` on a model in its own deployment): concurrent decisions'
+texts reach vLLM as one engine call, and each decision still gets its own text's label."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from riskserve.demo.dataset import generate_transactions
+from riskserve.pipelines.client import RiskClient
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+
+from .conftest import ServeCluster, deploy, endpoint, pipeline_on
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+APP = "batched"
+CONCURRENT = 8
+
+
+def _requests(count: int) -> list[pb.DecideRequest]:
+    transactions = generate_transactions(count, seed=11)
+    out = []
+    for i in range(count):
+        row = transactions.row(i)
+        out.append(
+            pb.DecideRequest(
+                request_id=f"b{i}",
+                numeric={k: float(v) for k, v in row.items() if isinstance(v, float)},
+                categorical={k: str(row[k]) for k in ("merchant_category", "channel")},
+                text=str(row["text"]),
+            )
+        )
+    return out
+
+
+def test_concurrent_texts_reach_the_engine_as_one_batch(
+    serve_cluster: ServeCluster, demo_models: Path
+) -> None:
+    from ray import serve
+
+    spec = pipeline_on("card_fraud.yaml", demo_models, name=APP)
+    data = spec.model_dump(mode="json", exclude={"base_dir"})
+    data["models"]["intent"]["batching"] = {"max_batch_size": CONCURRENT, "max_wait_ms": 200}
+    spec = type(spec).model_validate({**data, "base_dir": spec.base_dir})
+    deploy(spec)
+    intent = serve.get_deployment_handle("model-intent", app_name=APP)
+    requests = _requests(CONCURRENT)
+    with RiskClient(endpoint(spec), pipeline=APP, timeout_s=60) as client:
+        sequential = [client.decide_request(r) for r in requests]  # one engine call each
+        calls_before = intent.metadata.remote().result().calls
+        with ThreadPoolExecutor(CONCURRENT) as pool:
+            concurrent = list(pool.map(client.decide_request, requests))
+    engine_calls = intent.metadata.remote().result().calls - calls_before
+    assert engine_calls < CONCURRENT / 2, (
+        f"{CONCURRENT} concurrent decisions took {engine_calls} engine calls"
+    )
+    for one, together in zip(sequential, concurrent, strict=True):
+        by_name = {m.model: m for m in together.models}
+        assert not by_name["intent"].fallback
+        assert by_name["intent"].label == next(m.label for m in one.models if m.model == "intent")
+        assert together.request_id == one.request_id
