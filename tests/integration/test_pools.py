@@ -25,10 +25,10 @@ import pytest
 import yaml
 
 from riskserve.pipelines.pools import (
-    ingress_cpus,
     PIN_UNITS,
     actor_options,
     check_pools,
+    ingress_cpus,
     node_group_resources,
     node_resources,
     overcommit_errors,
