@@ -93,6 +93,8 @@ class MatrixSharer:
         self.by_value_rows = by_value_rows
         self._retain_s = retain_s
         self._retained: collections.deque[tuple[float, Any]] = collections.deque()
+        self.last_batch_id = ""
+        """The id of the last matrix put (tests ask a model replica how it read that batch)."""
 
     def shared(self, stage: StageResult) -> SharedMatrix | Any:
         """What to send a remote model: the matrix itself when small, a shared ref when large."""
@@ -109,10 +111,11 @@ class MatrixSharer:
             self._retained.append((now + self._retain_s, ref))
             while self._retained and self._retained[0][0] < now:
                 self._retained.popleft()
-            columns = stage.columns
+            batch_id = uuid.uuid4().hex
             stage.put = SharedMatrix(
-                ref=ref, rows=matrix.shape[0], columns=columns, batch_id=uuid.uuid4().hex
+                ref=ref, rows=int(matrix.shape[0]), columns=stage.columns, batch_id=batch_id
             )
+            self.last_batch_id = batch_id
         return stage.put
 
 

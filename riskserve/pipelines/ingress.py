@@ -54,6 +54,7 @@ class PipelineIngress:
         self._runners: dict[str, ModelRunner] = {}
         self._remote: dict[str, Any] = dict(models)
         sharer = MatrixSharer(serving.by_value_rows, serving.matrix_retain_s)
+        self._sharer = sharer
         guarded: dict[str, GuardedModel] = {}
         for name, model in self._spec.models.items():
             if model.in_ingress:
@@ -261,8 +262,8 @@ class PipelineIngress:
 
     async def feature_stats(self) -> dict[str, Any]:
         """The feature stage's counters (tests prove it ran once per decision)."""
-        if self._local_stage is not None:
-            return self._local_stage.stats()
+        if self._local_stage is not None:  # the batch id is that of the last matrix this ingress shared
+            return {**self._local_stage.stats(), "last_batch_id": self._sharer.last_batch_id}
         stats: dict[str, Any] = await self._features.stats.remote()
         return stats
 

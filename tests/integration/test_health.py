@@ -1,10 +1,15 @@
-"""``grpc.health.v1`` for each pipeline through Ray's proxy, beside Ray Serve's own Healthz."""
+"""``grpc.health.v1`` on each pipeline's own front door, answered from the state its ingress keeps.
+
+No ``application`` metadata is needed: a pipeline's port serves its health, and the service name picks
+what is asked about ("", ``riskserve.v1.RiskPipeline`` or the pipeline's name; anything else NOT_FOUND).
+"""
 
 from __future__ import annotations
 
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -12,21 +17,27 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 
-from .conftest import ServeCluster, deploy, pipeline_on
+from .conftest import ServeCluster, channel, deploy, pipeline_on
 
 pytestmark = pytest.mark.slow
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+REMOTE_REFRESH_BOUND_S = 5.0
+"""The ingress asks its remote models every second; SERVING must follow their readiness within this."""
 
 
-def _check(cluster: ServeCluster, app: str, service: str = "") -> int:
-    with cluster.channel() as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        answer = stub.Check(
-            health_pb2.HealthCheckRequest(service=service), metadata=[("application", app)], timeout=10
-        )
+def _check(spec: PipelineSpec, service: str = "") -> int:
+    with channel(spec) as chan:
+        stub = health_pb2_grpc.HealthStub(chan)
+        answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
     return int(answer.status)
+
+
+def _model_status(app: str, model: str) -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle("ingress", app_name=app).model_status.remote(model).result()
 
 
 def test_check_and_watch_report_serving_then_not_serving_while_draining(
@@ -38,31 +49,38 @@ def test_check_and_watch_report_serving_then_not_serving_while_draining(
 
     spec = pipeline_on("tabular_only.yaml", demo_models, name="health")
     deploy(spec)
-    assert _check(serve_cluster, "health") == SERVING
-    assert _check(serve_cluster, "health", "riskserve.v1.RiskPipeline") == SERVING
-    with pytest.raises(grpc.RpcError) as info:
-        _check(serve_cluster, "health", "some.other.Service")
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert _check(spec) == SERVING
+    assert _check(spec, "riskserve.v1.RiskPipeline") == SERVING
+    assert _check(spec, "health") == SERVING
+    for unknown in ("some.other.Service", "tabular_only"):  # another pipeline's name is not served here
+        with pytest.raises(grpc.RpcError) as info:
+            _check(spec, unknown)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
-    with serve_cluster.channel() as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        stream = stub.Watch(health_pb2.HealthCheckRequest(), metadata=[("application", "health")], timeout=60)
+    before = {name: _model_status("health", name) for name in ("credit", "fraud")}
+    assert {status.placement for status in before.values()} == {"ingress"}
+    with channel(spec) as chan:
+        stub = health_pb2_grpc.HealthStub(chan)
+        stream = stub.Watch(health_pb2.HealthCheckRequest(), timeout=60)
         assert next(stream).status == SERVING
-        replicas = (
-            serve.get_deployment_handle("model-fraud", app_name="health").metadata.remote().result()["pid"]
-        )
-        serve.run(build_application(spec, draining=True), name="health", route_prefix="/health")
+        serve.run(build_application(spec, draining=True), name="health", route_prefix=None)
         assert next(stream).status == NOT_SERVING
         stream.cancel()
-    assert _check(serve_cluster, "health") == NOT_SERVING
-    after = serve.get_deployment_handle("model-fraud", app_name="health").metadata.remote().result()["pid"]
-    assert after == replicas, "draining reconfigures the ingress in place; models are not restarted"
+    assert _check(spec) == NOT_SERVING
+    assert _check(spec, "health") == NOT_SERVING
+    for name, old in before.items():
+        new = _model_status("health", name)
+        assert (new.pid, new.actor_id, new.started_at) == (old.pid, old.actor_id, old.started_at), (
+            "draining reconfigures the ingress in place; neither it nor its models restart"
+        )
+        assert (new.version, new.artifact, new.ready) == (old.version, old.artifact, True)
 
 
 def test_not_serving_until_every_model_is_ready(
     serve_cluster: ServeCluster, demo_models: Path, tmp_path: Path
 ) -> None:
-    """A model whose load takes 8 s on purpose (fault injection): health stays NOT_SERVING until it is up."""
+    """A model in its own deployment whose load takes 8 s on purpose (fault injection): health stays
+    NOT_SERVING until the ingress sees it ready."""
     data = pipeline_on("tabular_only.yaml", demo_models, name="health_slow").resolved()
     data["models"]["fraud"].update(
         kind="fault_injection",
@@ -73,28 +91,49 @@ def test_not_serving_until_every_model_is_ready(
         },
     )
     spec: PipelineSpec = parse_pipeline(data, source="health_slow")
+    assert not spec.models["fraud"].in_ingress  # fault injection defaults to a deployment of its own
     deployer = threading.Thread(target=deploy, args=(spec,))
     deployer.start()
     seen: list[int] = []
     refused: set[grpc.StatusCode] = set()
     while deployer.is_alive():
         try:
-            seen.append(_check(serve_cluster, "health_slow"))
-        except grpc.RpcError as error:  # before the proxy knows the application at all
+            seen.append(_check(spec))
+        except grpc.RpcError as error:  # before the ingress binds the port
             refused.add(error.code())
         time.sleep(0.3)
     deployer.join()
-    assert refused <= {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE}, refused
+    assert refused <= {grpc.StatusCode.UNAVAILABLE}, refused
     assert NOT_SERVING in seen, seen
     assert SERVING not in seen[: seen.index(NOT_SERVING) + 1]
-    assert _check(serve_cluster, "health_slow") == SERVING
+    deadline = time.monotonic() + REMOTE_REFRESH_BOUND_S
+    while (status := _check(spec)) != SERVING and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert status == SERVING
+    assert _model_status("health_slow", "fraud").ready
 
 
-def test_ray_serve_healthz_answers_beside_it(serve_cluster: ServeCluster) -> None:
-    with serve_cluster.channel() as channel:
-        healthz = channel.unary_unary(
+def test_the_front_door_is_riskserves_own_server_not_rays_proxy(
+    serve_cluster: ServeCluster, demo_models: Path
+) -> None:
+    """Ray Serve's proxy is gone: its Healthz is not on the pipeline's port; health and reflection are."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    spec = pipeline_on("tabular_only.yaml", demo_models, name="health_door")
+    deploy(spec)
+    with channel(spec) as chan:
+        healthz = chan.unary_unary(
             "/ray.serve.RayServeAPIService/Healthz",
             request_serializer=lambda _: b"",
             response_deserializer=lambda raw: raw,
         )
-        assert b"success" in healthz(None, timeout=10)
+        with pytest.raises(grpc.RpcError) as info:
+            healthz(None, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        stub = reflection_pb2_grpc.ServerReflectionStub(chan)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        (answer,) = list(stub.ServerReflectionInfo(iter([request]), timeout=30))
+    names = {s.name for s in answer.list_services_response.service}
+    assert {"riskserve.v1.RiskPipeline", "grpc.health.v1.Health"} <= names
+    assert not any(name.startswith("ray.") for name in names)
+    assert _check(spec, "health_door") == SERVING

@@ -1,12 +1,15 @@
-"""End to end over real gRPC on loopback: Ray Serve's proxy, the feature stage, the real models.
+"""End to end over real gRPC on loopback: each pipeline's own front door, the feature stage, the real models.
 
-Two pipelines run side by side (card_fraud with the vLLM intent model, tabular_only) and are chosen by the
-``application`` metadata, exactly as a client would use them.
+Two pipelines run side by side (card_fraud with the vLLM intent model, tabular_only), each on a port of its
+own and named by the ``application`` metadata, exactly as a client would use them. With the defaults the
+feature stage and the tabular models run inside the ingress and the LLM in a deployment of its own; a third
+pipeline places every stage in a deployment to show the models reading one shared buffer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +22,11 @@ from riskserve.demo.dataset import generate_transactions
 from riskserve.features.encoder import FeatureEncoder, RawRequest
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
-from riskserve.pipelines.spec import PipelineSpec
+from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 from riskserve.platform.artifacts import open_artifact
 from riskserve.wrappers.sklearn_model import SklearnModel, SklearnSettings
 
-from .conftest import ServeCluster, deploy, pipeline_on
+from .conftest import ServeCluster, channel, deploy, endpoint, pipeline_on
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -56,12 +59,28 @@ def pipelines(serve_cluster: ServeCluster, demo_models: Path) -> dict[str, Pipel
 
 
 @pytest.fixture(scope="module")
-def stub(
-    serve_cluster: ServeCluster, pipelines: dict[str, PipelineSpec]
-) -> Iterator[pb_grpc.RiskPipelineStub]:
-    channel = serve_cluster.channel()
-    yield pb_grpc.RiskPipelineStub(channel)
-    channel.close()
+def stubs(pipelines: dict[str, PipelineSpec]) -> Iterator[dict[str, pb_grpc.RiskPipelineStub]]:
+    """A stub per pipeline, each on the pipeline's own port."""
+    channels = {name: channel(spec) for name, spec in pipelines.items()}
+    yield {name: _stub(chan) for name, chan in channels.items()}
+    for chan in channels.values():
+        chan.close()
+
+
+@pytest.fixture(scope="module")
+def apart(serve_cluster: ServeCluster, demo_models: Path) -> PipelineSpec:
+    """tabular_only with the feature stage and both models each in a deployment of its own."""
+    data = pipeline_on("tabular_only.yaml", demo_models, name="tabular_apart").resolved()
+    data["serving"]["feature_stage"] = "deployment"
+    for model in data["models"].values():
+        model["placement"] = "deployment"
+    spec = parse_pipeline(data, source="tabular_apart")
+    deploy(spec)
+    return spec
+
+
+def _stub(chan: grpc.Channel) -> pb_grpc.RiskPipelineStub:
+    return pb_grpc.RiskPipelineStub(chan)  # type: ignore[no-untyped-call]
 
 
 def _md(app: str) -> list[tuple[str, str]]:
@@ -80,10 +99,38 @@ def _model(app: str, name: str) -> Any:
     return serve.get_deployment_handle(f"model-{name}", app_name=app)
 
 
+def _status(app: str, model: str) -> Any:
+    """The model's ``ModelStatus``, asked through the ingress wherever the model runs."""
+    return _ingress(app).model_status.remote(model).result()
+
+
+def _serving_pid(spec: PipelineSpec) -> int:
+    """The one process listening on the pipeline's gRPC port (its ingress replica), found by the kernel's
+    socket table, not by asking riskserve."""
+    port = int(endpoint(spec).rsplit(":", 1)[1])
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                sockets.add(f"socket:[{fields[9]}]")
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
+                pids.add(int(proc.name))
+        except OSError:  # gone, or not ours
+            continue
+    assert len(pids) == 1, f"expected one process listening on {port}, found {pids}"
+    return pids.pop()
+
+
 def test_a_decision_carries_every_model_with_its_artifact_version(
-    stub: pb_grpc.RiskPipelineStub, demo_models: Path
+    stubs: dict[str, pb_grpc.RiskPipelineStub], demo_models: Path
 ) -> None:
-    response = stub.Decide(_request(LEGIT, "legit-1"), metadata=_md("card_fraud"), timeout=30)
+    response = stubs["card_fraud"].Decide(_request(LEGIT, "legit-1"), metadata=_md("card_fraud"), timeout=30)
     assert response.request_id == "legit-1"
     assert response.pipeline == "card_fraud"
     assert response.pipeline_version == "2026.12.0"
@@ -99,11 +146,38 @@ def test_a_decision_carries_every_model_with_its_artifact_version(
     assert response.reasons == ["low risk"]
 
 
+def test_the_tabular_models_run_in_the_ingress_and_the_llm_in_a_deployment_of_its_own(
+    pipelines: dict[str, PipelineSpec], demo_models: Path
+) -> None:
+    from ray import serve
+
+    from riskserve.pipelines.app import deployment_names
+
+    applications = serve.status().applications
+    assert set(applications["card_fraud"].deployments) == {"ingress", "model-intent", "feedback"}
+    assert set(applications["tabular_only"].deployments) == {"ingress"}
+    for name, spec in pipelines.items():
+        assert set(applications[name].deployments) == set(deployment_names(spec).values())
+    ingress_pid = _serving_pid(pipelines["card_fraud"])
+    for name, kind in (("credit", "treelite"), ("fraud", "sklearn")):
+        status = _status("card_fraud", name)
+        assert (status.name, status.kind, status.placement) == (name, kind, "ingress")
+        assert status.pid == ingress_pid, f"model '{name}' runs in the process serving the gRPC port"
+        assert status.ready
+        assert status.version == open_artifact(demo_models / name, kind=kind).version
+    intent = _status("card_fraud", "intent")
+    assert (intent.kind, intent.placement) == ("vllm", "deployment")
+    assert intent.pid != ingress_pid
+    assert intent == _model("card_fraud", "intent").metadata.remote().result()  # the same typed status
+    for name in ("credit", "fraud"):
+        assert _status("tabular_only", name).pid == _serving_pid(pipelines["tabular_only"]) != ingress_pid
+
+
 def test_scores_equal_the_models_run_locally_and_the_rules_are_applied(
-    stub: pb_grpc.RiskPipelineStub, pipelines: dict[str, PipelineSpec], demo_models: Path
+    stubs: dict[str, pb_grpc.RiskPipelineStub], pipelines: dict[str, PipelineSpec], demo_models: Path
 ) -> None:
     spec = pipelines["card_fraud"]
-    response = stub.Decide(_request(RISKY), metadata=_md("card_fraud"), timeout=30)
+    response = stubs["card_fraud"].Decide(_request(RISKY), metadata=_md("card_fraud"), timeout=30)
     scores = {m.model: m for m in response.models}
     encoder = FeatureEncoder(spec.features)
     row = encoder.validate(RawRequest(**RISKY))
@@ -135,36 +209,66 @@ BAD = [
 
 @pytest.mark.parametrize(("change", "field", "message"), BAD, ids=[b[1] + "-" + b[2] for b in BAD])
 def test_bad_input_is_invalid_argument_naming_the_field_and_reaches_no_model(
-    stub: pb_grpc.RiskPipelineStub, change: dict[str, Any], field: str, message: str
+    stubs: dict[str, pb_grpc.RiskPipelineStub], change: dict[str, Any], field: str, message: str
 ) -> None:
-    before = {
-        n: _model("card_fraud", n).metadata.remote().result()["calls"] for n in ("intent", "credit", "fraud")
-    }
+    # calls counted where each model runs: intent in its deployment, credit and fraud in the ingress
+    before = {n: _status("card_fraud", n).calls for n in ("intent", "credit", "fraud")}
     with pytest.raises(grpc.RpcError) as info:
-        stub.Decide(_request({**LEGIT, **change}), metadata=_md("card_fraud"), timeout=30)
+        stubs["card_fraud"].Decide(_request({**LEGIT, **change}), metadata=_md("card_fraud"), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(f"{field}: ")
     assert message in info.value.details()
-    after = {
-        n: _model("card_fraud", n).metadata.remote().result()["calls"] for n in ("intent", "credit", "fraud")
-    }
+    after = {n: _status("card_fraud", n).calls for n in ("intent", "credit", "fraud")}
     assert after == before
+    stubs["card_fraud"].Decide(_request(LEGIT), metadata=_md("card_fraud"), timeout=30)
+    counted = {n: _status("card_fraud", n).calls for n in ("intent", "credit", "fraud")}
+    assert counted == {n: calls + 1 for n, calls in before.items()}  # a valid decision is counted
 
 
-def test_the_feature_stage_runs_once_per_decision_and_models_read_its_shared_buffer(
-    stub: pb_grpc.RiskPipelineStub,
+def _five_and_a_batch_of_seven(stub: pb_grpc.RiskPipelineStub, app: str) -> None:
+    for i in range(5):
+        stub.Decide(_request(LEGIT | {"text": ""}, f"once-{i}"), metadata=_md(app), timeout=30)
+    batch = pb.DecideBatchRequest(requests=[_request(LEGIT | {"text": ""}, f"b{i}") for i in range(7)])
+    stub.DecideBatch(batch, metadata=_md(app), timeout=30)
+
+
+def test_the_feature_stage_runs_once_per_decision_in_the_ingress(
+    stubs: dict[str, pb_grpc.RiskPipelineStub],
 ) -> None:
     ingress = _ingress("tabular_only")
+    before = ingress.feature_stats.remote().result()
+    calls = {n: _status("tabular_only", n).calls for n in ("credit", "fraud")}
+    _five_and_a_batch_of_seven(stubs["tabular_only"], "tabular_only")
+    stats = ingress.feature_stats.remote().result()
+    assert stats["calls"] - before["calls"] == 6  # five decisions and one batch of seven: six matrices
+    assert stats["rows"] - before["rows"] == 12
+    for name in ("credit", "fraud"):  # each model called once per matrix, in the ingress
+        assert _status("tabular_only", name).calls - calls[name] == 6
+
+
+def test_models_in_their_own_deployments_read_the_feature_stages_shared_buffer(apart: PipelineSpec) -> None:
+    from ray import serve
+
+    assert set(serve.status().applications["tabular_apart"].deployments) == {
+        "ingress",
+        "features",
+        "model-credit",
+        "model-fraud",
+    }
+    ingress = _ingress("tabular_apart")
     before = ingress.feature_stats.remote().result()["calls"]
-    for i in range(5):
-        stub.Decide(_request(LEGIT | {"text": ""}, f"once-{i}"), metadata=_md("tabular_only"), timeout=30)
-    batch = pb.DecideBatchRequest(requests=[_request(LEGIT | {"text": ""}, f"b{i}") for i in range(7)])
-    stub.DecideBatch(batch, metadata=_md("tabular_only"), timeout=30)
+    calls = {n: _status("tabular_apart", n).calls for n in ("credit", "fraud")}
+    with channel(apart) as chan:
+        _five_and_a_batch_of_seven(_stub(chan), "tabular_apart")
     stats = ingress.feature_stats.remote().result()
     assert stats["calls"] - before == 6  # five decisions and one batch of seven: six matrices
+    for name in ("credit", "fraud"):  # counted in each model deployment's replica
+        status = _status("tabular_apart", name)
+        assert status.placement == "deployment"
+        assert status.calls - calls[name] == 6
 
     infos = [
-        _model("tabular_only", n).input_info.remote(stats["last_batch_id"]).result()
+        _model("tabular_apart", n).input_info.remote(stats["last_batch_id"]).result()
         for n in ("credit", "fraud")
     ]
     assert all(info is not None for info in infos)
@@ -180,11 +284,15 @@ def test_the_feature_stage_runs_once_per_decision_and_models_read_its_shared_buf
         fraud.inode,
         fraud.file_offset,
     )
-    pids = {_model("tabular_only", n).metadata.remote().result()["pid"] for n in ("credit", "fraud")}
+    pids = {_model("tabular_apart", n).metadata.remote().result().pid for n in ("credit", "fraud")}
     assert len(pids) == 2, "the two models are separate processes sharing one buffer"
+    assert _serving_pid(apart) not in pids
 
 
-def test_decide_batch_keeps_order_and_equals_single_decisions(stub: pb_grpc.RiskPipelineStub) -> None:
+def test_decide_batch_keeps_order_and_equals_single_decisions(
+    stubs: dict[str, pb_grpc.RiskPipelineStub],
+) -> None:
+    stub = stubs["card_fraud"]
     tx = generate_transactions(12, seed=77)
     requests = []
     for i in range(len(tx)):
@@ -211,26 +319,39 @@ def test_decide_batch_keeps_order_and_equals_single_decisions(stub: pb_grpc.Risk
         assert [m.label for m in alone.models] == [m.label for m in in_batch.models]
 
 
-def test_two_pipelines_side_by_side_are_routed_by_application(stub: pb_grpc.RiskPipelineStub) -> None:
-    card = stub.Decide(_request(LEGIT), metadata=_md("card_fraud"), timeout=30)
-    tabular = stub.Decide(_request(LEGIT | {"text": ""}), metadata=_md("tabular_only"), timeout=30)
+def test_two_pipelines_side_by_side_each_on_its_own_port_named_by_application(
+    stubs: dict[str, pb_grpc.RiskPipelineStub], pipelines: dict[str, PipelineSpec]
+) -> None:
+    assert endpoint(pipelines["card_fraud"]) != endpoint(pipelines["tabular_only"])
+    card = stubs["card_fraud"].Decide(_request(LEGIT), metadata=_md("card_fraud"), timeout=30)
+    tabular = stubs["tabular_only"].Decide(
+        _request(LEGIT | {"text": ""}), metadata=_md("tabular_only"), timeout=30
+    )
     assert (card.pipeline, tabular.pipeline) == ("card_fraud", "tabular_only")
     assert [m.model for m in card.models] == ["intent", "credit", "fraud"]
     assert [m.model for m in tabular.models] == ["credit", "fraud"]
     assert card.models[1].score == pytest.approx(tabular.models[0].score, abs=1e-9)
+    for port_of, named in (("card_fraud", "tabular_only"), ("tabular_only", "card_fraud")):
+        with pytest.raises(grpc.RpcError) as info:  # never decided by the wrong pipeline
+            stubs[port_of].Decide(_request(LEGIT | {"text": ""}), metadata=_md(named), timeout=30)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert f"pipeline '{named}' is not served here" in (info.value.details() or "")
+    for metadata in (_md("no_such_pipeline"), []):
+        with pytest.raises(grpc.RpcError) as info:
+            stubs["card_fraud"].Decide(_request(LEGIT), metadata=metadata, timeout=30)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as info:
-        stub.Decide(_request(LEGIT), metadata=_md("no_such_pipeline"), timeout=30)
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    with pytest.raises(grpc.RpcError) as info:
-        stub.Decide(_request(LEGIT | {"text": "hello"}), metadata=_md("tabular_only"), timeout=30)
+        stubs["tabular_only"].Decide(
+            _request(LEGIT | {"text": "hello"}), metadata=_md("tabular_only"), timeout=30
+        )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details() == "text: this pipeline reads no text"
 
 
 def test_describe_lists_features_and_serving_versions(
-    stub: pb_grpc.RiskPipelineStub, demo_models: Path, pipelines: dict[str, PipelineSpec]
+    stubs: dict[str, pb_grpc.RiskPipelineStub], demo_models: Path, pipelines: dict[str, PipelineSpec]
 ) -> None:
-    described = stub.Describe(pb.DescribeRequest(), metadata=_md("card_fraud"), timeout=30)
+    described = stubs["card_fraud"].Describe(pb.DescribeRequest(), metadata=_md("card_fraud"), timeout=30)
     assert (described.pipeline, described.version) == ("card_fraud", "2026.12.0")
     features = {f.name: f for f in described.features}
     assert set(features) == set(pipelines["card_fraud"].features.fields)
@@ -245,24 +366,26 @@ def test_describe_lists_features_and_serving_versions(
     assert (models["intent"].kind, models["intent"].pool, models["intent"].replicas) == ("vllm", "llm", 1)
 
 
-def test_feedback_needs_a_feedback_section_and_a_recorded_decision(stub: pb_grpc.RiskPipelineStub) -> None:
+def test_feedback_needs_a_feedback_section_and_a_recorded_decision(
+    stubs: dict[str, pb_grpc.RiskPipelineStub],
+) -> None:
     request = pb.FeedbackRequest(request_id="never-decided", label=1, feedback_id="f")
     with pytest.raises(grpc.RpcError) as info:
-        stub.Feedback(request, metadata=_md("tabular_only"))  # its YAML keeps no feedback
+        stubs["tabular_only"].Feedback(request, metadata=_md("tabular_only"), timeout=30)  # no feedback
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "no 'feedback' section" in (info.value.details() or "")
     with pytest.raises(grpc.RpcError) as info:
-        stub.Feedback(request, metadata=_md("card_fraud"))
+        stubs["card_fraud"].Feedback(request, metadata=_md("card_fraud"), timeout=30)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert "never-decided" in (info.value.details() or "")
 
 
-def test_reflection_lists_the_service_for_generic_clients(serve_cluster: ServeCluster) -> None:
+def test_reflection_lists_the_service_for_generic_clients(pipelines: dict[str, PipelineSpec]) -> None:
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    with serve_cluster.channel() as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    with channel(pipelines["card_fraud"]) as chan:
+        stub = reflection_pb2_grpc.ServerReflectionStub(chan)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         (answer,) = list(stub.ServerReflectionInfo(iter([request]), timeout=30))
     names = {s.name for s in answer.list_services_response.service}
-    assert "riskserve.v1.RiskPipeline" in names
+    assert {"riskserve.v1.RiskPipeline", "grpc.health.v1.Health"} <= names

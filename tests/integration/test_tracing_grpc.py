@@ -1,16 +1,23 @@
-"""One trace per decision across the Serve replicas, read back from the file exporter."""
+"""One trace per decision, wherever its stages run, read back from the file exporter.
+
+By default the feature stage and the tabular models run inside the ingress, so the whole trace comes from
+the process that serves the pipeline's gRPC port; with every stage placed in a deployment of its own, the
+trace still is one, continued across four processes.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
 from riskserve.pipelines.client import RiskClient
+from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 
-from .conftest import ServeCluster, deploy, pipeline_on
+from .conftest import ServeCluster, deploy, endpoint, pipeline_on
 
 pytestmark = pytest.mark.slow
 
@@ -32,30 +39,72 @@ def _spans(path: Path, trace_id: str, expected: int) -> list[dict[str, object]]:
         time.sleep(0.2)
 
 
+def _serving_pid(spec: PipelineSpec) -> int:
+    """The one process listening on the pipeline's gRPC port (its ingress replica), found by the kernel's
+    socket table, not by asking riskserve."""
+    port = int(endpoint(spec).rsplit(":", 1)[1])
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                sockets.add(f"socket:[{fields[9]}]")
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
+                pids.add(int(proc.name))
+        except OSError:  # gone, or not ours
+            continue
+    assert len(pids) == 1, f"expected one process listening on {port}, found {pids}"
+    return pids.pop()
+
+
+def _every_stage_in_a_deployment(spec: PipelineSpec) -> PipelineSpec:
+    data = spec.resolved()
+    data["serving"]["feature_stage"] = "deployment"
+    for model in data["models"].values():
+        model["placement"] = "deployment"
+    return parse_pipeline(data, source=spec.name)
+
+
+@pytest.mark.parametrize("placement", ["ingress", "deployment"])
 def test_a_decision_is_one_trace_continuing_the_callers_traceparent(
-    serve_cluster: ServeCluster, demo_models: Path, tmp_path_factory: pytest.TempPathFactory
+    serve_cluster: ServeCluster,
+    demo_models: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    placement: str,
 ) -> None:
     spans_file = tmp_path_factory.mktemp("traces") / "spans.jsonl"
     spec = pipeline_on(
         "tabular_only.yaml",
         demo_models,
-        name="traced",
+        name=f"traced_{placement}",
         tracing={"exporter": "file", "file_path": str(spans_file)},
     )
+    if placement == "deployment":
+        spec = _every_stage_in_a_deployment(spec)
+    else:  # the defaults: the feature stage and the tabular models run inside the ingress
+        assert spec.serving.feature_stage == "ingress"
+        assert all(model.in_ingress for model in spec.models.values())
     deploy(spec)
-    with RiskClient(f"127.0.0.1:{serve_cluster.grpc_port}", pipeline="traced") as client:
+    with RiskClient(endpoint(spec), pipeline=spec.name) as client:
         traceparent = f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"
         response = client.decide(**REQUEST, metadata=[("traceparent", traceparent)])
     assert response.trace_id == CALLER_TRACE
 
-    # decide, features, decision, and per model (credit, fraud): model (ingress) + model.predict (replica)
+    # decide, features, decision, and per model (credit, fraud): model (ingress) + model.predict (where
+    # the model runs)
     spans = _spans(spans_file, CALLER_TRACE, expected=7)
+    assert len(spans) == 7, sorted(str(s["name"]) for s in spans)
     by_name: dict[str, list[dict[str, object]]] = {}
     for span in spans:
         by_name.setdefault(str(span["name"]), []).append(span)
     (root,) = by_name["riskserve.decide"]
     assert root["parent_span_id"] == CALLER_SPAN
-    assert root["attributes"]["pipeline"] == "traced"  # type: ignore[index]
+    assert root["attributes"]["pipeline"] == spec.name  # type: ignore[index]
     (features,) = by_name["riskserve.features"]
     (decision,) = by_name["riskserve.decision"]
     assert features["parent_span_id"] == root["span_id"]
@@ -70,5 +119,16 @@ def test_a_decision_is_one_trace_continuing_the_callers_traceparent(
         assert span["attributes"]["model.fallback"] is False  # type: ignore[index]
     predicts = {s["parent_span_id"]: s for s in by_name["riskserve.model.predict"]}
     assert set(predicts) == {models["credit"]["span_id"], models["fraud"]["span_id"]}
+
+    pid_of = {str(s["name"]): s["resource"]["process.pid"] for s in spans}  # type: ignore[index]
+    ingress = _serving_pid(spec)
+    assert pid_of["riskserve.decide"] == pid_of["riskserve.decision"] == ingress
     pids = {s["resource"]["process.pid"] for s in spans}  # type: ignore[index]
-    assert len(pids) == 4, "ingress, feature stage and two model replicas each exported their own spans"
+    if placement == "ingress":
+        assert pids == {ingress}, "the feature stage and both models ran in the ingress process"
+    else:
+        assert len(pids) == 4, "ingress, feature stage and two model replicas each exported their own spans"
+        assert pid_of["riskserve.features"] != ingress
+        assert {p["resource"]["process.pid"] for p in predicts.values()}.isdisjoint(  # type: ignore[index]
+            {ingress, pid_of["riskserve.features"]}
+        )
