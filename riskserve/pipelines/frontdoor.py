@@ -11,9 +11,11 @@ per call) and server reflection is on. Shutdown drains: NOT_SERVING, no new call
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -25,7 +27,7 @@ from riskserve.pipelines.grpc_status import status_of
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.pipelines.spec import FrontDoorSpec
-from riskserve.platform.errors import InvalidInput, NotFound
+from riskserve.platform.errors import DeadlineExceeded, InvalidInput, NotFound, Overloaded
 from riskserve.platform.metrics import PipelineMetrics
 from riskserve.platform.tracing import (
     SPAN_DECIDE,
@@ -37,7 +39,15 @@ from riskserve.platform.tracing import (
     start_span,
 )
 
-__all__ = ["APPLICATION_METADATA", "DEADLINE_METADATA", "MAX_BATCH", "SERVICE_NAME", "FrontDoor", "Pipeline"]
+__all__ = [
+    "APPLICATION_METADATA",
+    "DEADLINE_METADATA",
+    "MAX_BATCH",
+    "SERVICE_NAME",
+    "Admission",
+    "FrontDoor",
+    "Pipeline",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +82,47 @@ def _metadata(context: Any) -> dict[str, str]:
     return out
 
 
+class Admission:
+    """The ingress's ``max_ongoing_requests`` / ``max_queued_requests`` applied to the front door's decisions:
+    up to ``ongoing`` run at once, up to ``queued`` more wait (within their deadline), the rest are refused
+    at once with RESOURCE_EXHAUSTED (``queued`` -1: unbounded)."""
+
+    def __init__(self, ongoing: int, queued: int) -> None:
+        self.ongoing, self.queued = ongoing, queued
+        self._slots = asyncio.Semaphore(ongoing)
+        self._admitted = 0
+
+    @contextlib.asynccontextmanager
+    async def slot(self, deadline: float) -> AsyncIterator[None]:
+        if self.queued >= 0 and self._admitted >= self.ongoing + self.queued:
+            raise Overloaded(
+                f"overloaded: {self.ongoing} decisions running, {self.queued} queued in this ingress replica"
+            )
+        self._admitted += 1
+        try:
+            if self._slots.locked():  # wait for a slot, within the deadline
+                try:
+                    await asyncio.wait_for(
+                        self._slots.acquire(), timeout=max(deadline - time.monotonic(), 0.0)
+                    )
+                except TimeoutError:
+                    raise DeadlineExceeded("the decision's deadline passed while it was queued") from None
+            else:
+                await self._slots.acquire()  # free: no timer (a wait_for costs a task per call)
+            try:
+                yield
+            finally:
+                self._slots.release()
+        finally:
+            self._admitted -= 1
+
+
 class _Service(pb_grpc.RiskPipelineServicer):
     """The RPCs of ``riskserve.v1.RiskPipeline``: routing check, deadline, root span, one status each."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, admission: Admission) -> None:
         self._pipeline = pipeline
+        self._admission = admission
 
     def _route(self, metadata: dict[str, str]) -> None:
         named = metadata.get(APPLICATION_METADATA)
@@ -131,7 +177,8 @@ class _Service(pb_grpc.RiskPipelineServicer):
                     raise InvalidInput(f"expected 1 to {MAX_BATCH} requests, got {count}", field="requests")
                 deadline = self._deadline(metadata, context)
                 traced = bool(span.is_recording())
-                return await self._pipeline.decide(requests, current_trace_id(), deadline, traced)
+                async with self._admission.slot(deadline):
+                    return await self._pipeline.decide(requests, current_trace_id(), deadline, traced)
             except Exception as error:  # every failure becomes its status, never UNKNOWN
                 self._failed(error, span, context)
                 return None
@@ -174,9 +221,10 @@ class _Service(pb_grpc.RiskPipelineServicer):
 class FrontDoor:
     """The gRPC server of one ingress replica: start, serve, report health, drain, stop."""
 
-    def __init__(self, pipeline: Pipeline, settings: FrontDoorSpec) -> None:
+    def __init__(self, pipeline: Pipeline, settings: FrontDoorSpec, admission: Admission) -> None:
         self._pipeline = pipeline
         self._settings = settings
+        self._admission = admission
         self._server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
         self._services = ("", SERVICE_NAME, pipeline.name)
@@ -196,7 +244,7 @@ class FrontDoor:
             ("grpc.max_send_message_length", self._settings.max_send_message_bytes),
         ]
         server = grpc.aio.server(options=options)
-        pb_grpc.add_RiskPipelineServicer_to_server(_Service(self._pipeline), server)  # type: ignore[no-untyped-call]
+        pb_grpc.add_RiskPipelineServicer_to_server(_Service(self._pipeline, self._admission), server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if self._settings.reflection:
             reflection.enable_server_reflection(

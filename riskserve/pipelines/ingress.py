@@ -18,7 +18,7 @@ import grpc
 from riskserve.features.stage import FeatureStage
 from riskserve.learning.recorder import DecisionRecorder
 from riskserve.pipelines.flow import DecisionFlow
-from riskserve.pipelines.frontdoor import FrontDoor
+from riskserve.pipelines.frontdoor import Admission, FrontDoor
 from riskserve.pipelines.guarded_call import GuardedModel, LocalEndpoint, MatrixSharer, RemoteEndpoint
 from riskserve.pipelines.messages import describe_response
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
@@ -86,7 +86,8 @@ class PipelineIngress:
         self.metrics: PipelineMetrics = self._flow.metrics
         self._draining = False
         self._remote_ready = not self._remote
-        self._front_door = FrontDoor(self, serving.grpc)
+        admission = Admission(serving.ingress.max_ongoing_requests, serving.ingress.max_queued_requests)
+        self._front_door = FrontDoor(self, serving.grpc, admission)
         self._refresher: asyncio.Task[None] | None = None
         if not self._runners:  # nothing to load first: serve now (reconfigure may never come)
             await self._open()
