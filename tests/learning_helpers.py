@@ -1,10 +1,12 @@
-"""Shared by the online-learning tests: decide over gRPC, label, and compute the reference model."""
+"""Shared by the online-learning and hot-swap tests: decide over gRPC, label, compute the reference model,
+and ask every ingress replica what it serves."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import grpc
 import numpy as np
 
 from riskserve.demo.dataset import generate_transactions
@@ -14,6 +16,7 @@ from riskserve.pipelines.client import RiskClient
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import RiskServeError
+from riskserve.platform.runner import ModelStatus
 from riskserve.wrappers.sklearn_model import LinearSnapshot, train_step
 
 BATCH = 16
@@ -27,6 +30,38 @@ ONLINE: dict[str, Any] = {
     "max_golden_shift": 1.0,
 }
 """The fraud model's ``online`` section in these tests."""
+
+
+def replica_statuses(app: str, model: str, replicas: int, *, timeout_s: float = 60) -> dict[str, ModelStatus]:
+    """``model`` as each of the ``replicas`` ingress replicas of ``app`` serves it, keyed by replica actor id.
+
+    A model placed in the ingress runs in every ingress replica; Serve's handle picks a replica per call,
+    so the ingress is asked until each replica has answered.
+
+    Raises:
+        AssertionError: not every replica answered within ``timeout_s``.
+    """
+    from ray import serve
+
+    handle = serve.get_deployment_handle("ingress", app_name=app)
+    seen: dict[str, ModelStatus] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < replicas:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"only {len(seen)} of {replicas} ingress replicas answered: {sorted(seen)}")
+        status: ModelStatus = handle.model_status.remote(model).result(timeout_s=30)
+        seen[status.actor_id] = status
+    return seen
+
+
+def own_connection(target: str) -> grpc.Channel:
+    """A channel with a TCP connection of its own to ``target``.
+
+    gRPC shares one connection per target between the channels of a process, and the kernel spreads the
+    ingress replicas' shared port (``SO_REUSEPORT``) per connection, not per call: clients that should
+    reach several replicas need connections of their own.
+    """
+    return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
 def _request(row: dict[str, float | str], request_id: str) -> pb.DecideRequest:

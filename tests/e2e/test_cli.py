@@ -1,9 +1,14 @@
-"""The ``riskserve`` command line as a user runs it: subprocesses, a background local Ray, real gRPC."""
+"""The ``riskserve`` command line as a user runs it: subprocesses, a background local Ray, real gRPC.
+
+Each pipeline's ingress serves its own gRPC port (``up --grpc-port``), and the tabular models run inside
+the ingress by default: no ``model-*`` or ``features`` deployment exists for them.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -56,7 +61,7 @@ def running(cli_env: dict[str, str], tabular_yaml: Path) -> Iterator[int]:
     port = _free_port()
     up = _riskserve("up", str(tabular_yaml), "--grpc-port", str(port), env=cli_env)
     assert up.returncode == 0, up.stderr + up.stdout
-    assert f"127.0.0.1:{port}" in up.stdout
+    assert f"tabular_only on 127.0.0.1:{port}" in up.stdout
     try:
         yield port
     finally:
@@ -86,7 +91,16 @@ def test_bad_input_and_unknown_pipeline_are_one_line_errors(running: int, cli_en
     assert "Traceback" not in bad.stderr
     unknown = _riskserve("decide", "--pipeline", "nope", "--json", '{"amount": 5}', env=cli_env)
     assert unknown.returncode == 2
+    assert unknown.stderr.startswith("error: no pipeline 'nope' is running (running: tabular_only)")
     assert "Traceback" not in unknown.stderr
+    # Sent to tabular_only's own port, a call naming another pipeline is NOT_FOUND, never decided there.
+    target = f"127.0.0.1:{running}"
+    elsewhere = _riskserve(
+        "decide", "--pipeline", "nope", "--target", target, "--json", '{"amount": 5}', env=cli_env
+    )
+    assert elsewhere.returncode == 2
+    assert elsewhere.stderr.startswith("error: pipeline 'nope' is not served here")
+    assert "Traceback" not in elsewhere.stderr
 
 
 def test_status_shows_models_versions_and_health(
@@ -96,29 +110,54 @@ def test_status_shows_models_versions_and_health(
 
     status = _riskserve("status", env=cli_env)
     assert status.returncode == 0, status.stdout + status.stderr
-    assert "tabular_only: RUNNING" in status.stdout
-    assert open_artifact(demo_models / "credit", kind="treelite").version in status.stdout
-    assert "model-fraud" in status.stdout
-    assert "HEALTHY" in status.stdout
+    out = status.stdout
+    assert f"tabular_only: RUNNING  gRPC 127.0.0.1:{running}" in out
+    deployments = re.findall(r"^  (\S+)\s+(\S+)\s+replicas: (.*)$", out, re.MULTILINE)
+    assert [(name, state) for name, state, _ in deployments] == [("ingress", "HEALTHY")], out
+    assert "RUNNING" in deployments[0][2]
+    for name, kind in (("credit", "treelite"), ("fraud", "sklearn")):
+        version = open_artifact(demo_models / name, kind=kind).version
+        assert re.search(
+            rf"^  model {name}\s+{kind}\s+in ingress\s+{re.escape(version)}$", out, re.MULTILINE
+        ), out
 
 
 @pytest.mark.parametrize(
-    ("edit", "message"),
+    ("edit", "serving", "message"),
     [
-        ({"timeout_ms": 0}, "models.fraud.timeout_ms: Input should be greater than 0"),
+        ({"timeout_ms": 0}, None, "models.fraud.timeout_ms: Input should be greater than 0"),
         (
-            {"num_cpus": 0.75, "replicas": 2},
-            "pools.cpu: models need 2.25 CPUs (credit 1 x 0.25, fraud 2 x 0.75, features 1 x 0.25, "
-            "ingress 1 x 0.25), the pool has 1",
+            {"num_cpus": 0.75},
+            {"ingress": {"replicas": 2}},
+            "pools.cpu: models need 2.5 CPUs (ingress (credit) 2 x 0.25, ingress (fraud) 2 x 0.75, "
+            "ingress 2 x 0.25), the pool has 1",
+        ),
+        (
+            {"num_cpus": 0.75, "replicas": 2, "placement": "deployment"},
+            None,
+            "pools.cpu: models need 2 CPUs (ingress (credit) 1 x 0.25, fraud 2 x 0.75, ingress 1 x 0.25), "
+            "the pool has 1",
+        ),
+        (
+            {"replicas": 2},
+            None,
+            "models.fraud.replicas: a model in the ingress runs in every ingress replica; "
+            "scale it with serving.ingress.replicas",
         ),
     ],
-    ids=["bad-field", "over-committed-pool"],
+    ids=["bad-field", "over-committed-ingress", "over-committed-deployment", "replicas-in-ingress"],
 )
 def test_up_refuses_an_invalid_pipeline_naming_the_path(
-    cli_env: dict[str, str], tmp_path: Path, edit: dict[str, float], message: str
+    cli_env: dict[str, str],
+    tmp_path: Path,
+    edit: dict[str, object],
+    serving: dict[str, object] | None,
+    message: str,
 ) -> None:
     data = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
     data["models"]["fraud"].update(edit)
+    if serving is not None:
+        data["serving"] = serving
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     result = _riskserve("up", str(path), env={**cli_env, "RISKSERVE_STATE_DIR": str(tmp_path)}, timeout=60)
@@ -137,17 +176,28 @@ def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     ServeDeploySchema.model_validate(config)
-    assert config["grpc_options"]["port"] == 9100
+    assert config["proxy_location"] == "Disabled"  # no Serve proxy: the ingress serves gRPC itself
+    assert "grpc_options" not in config
     (app,) = config["applications"]
     assert app["name"] == "card_fraud"
     assert app["import_path"] == "riskserve.pipelines.app:build_app"
-    ingress = build_app(
-        app["args"]
-    )._bound_deployment  # Serve's graph: ingress(spec, features, models, feedback)
-    _, features, models, feedback = ingress.init_args
-    assert (ingress.name, features._bound_deployment.name) == ("ingress", "features")
+    assert app["args"] == {"pipeline": str((PIPELINES / "card_fraud.yaml").resolve()), "grpc_port": 9100}
+    # Serve's graph: ingress(spec, features, models, feedback)
+    ingress = build_app(app["args"])._bound_deployment
+    spec, features, models, feedback = ingress.init_args
+    assert ingress.name == "ingress"
+    assert spec["serving"]["grpc"]["port"] == 9100  # the front door binds the exported port
+    assert features is None  # the feature stage runs in the ingress by default
     assert feedback._bound_deployment.name == "feedback"
     assert feedback._bound_deployment.num_replicas == 1  # the one writer of the feedback log
-    placed = {name: m._bound_deployment.ray_actor_options for name, m in models.items()}
-    assert placed["intent"] == {"num_cpus": 1.0, "resources": {"riskserve_pool_llm": 1000.0}}
-    assert placed["fraud"] == {"num_cpus": 0.25, "resources": {"riskserve_pool_cpu": 250.0}}
+    assert set(models) == {"intent"}  # only the LLM has a deployment; credit and fraud run in the ingress
+    intent = models["intent"]._bound_deployment
+    assert intent.name == "model-intent"
+    assert intent.ray_actor_options == {"num_cpus": 1.0, "resources": {"riskserve_pool_llm": 1000.0}}
+    # The ingress takes its own 0.25 CPU plus credit's and fraud's, and carries their artifacts.
+    assert ingress.ray_actor_options == {"num_cpus": 0.75, "resources": {"riskserve_pool_cpu": 750.0}}
+    models_dir = (PIPELINES / "../../models").resolve()
+    assert ingress.user_config == {
+        "draining": False,
+        "artifacts": {"credit": str(models_dir / "credit"), "fraud": str(models_dir / "fraud")},
+    }

@@ -3,13 +3,15 @@
 Everything runs as a user runs it: ``riskserve up`` starts its own local Ray in the background, labels
 arrive over real gRPC, ``riskserve learning`` reports the learner's cursor. After the learner's process is
 killed and, later, the whole Ray is stopped and started again, every acknowledged label is in the log
-once and in the served model once: its version equals a reference trained here on the same labels.
+once and in the served model once: its version equals a reference trained here on the same labels. The
+fraud model runs where it runs by default, inside the ingress: the learner publishes to the ingress.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -110,6 +112,10 @@ def test_labels_survive_kill_9_and_a_ray_restart_exactly_once(tmp_path: Path, de
                     break
                 time.sleep(0.5)
             assert served == {expected}
+            shown = _riskserve("status", env=env)
+            assert shown.returncode == 0, shown.stdout + shown.stderr
+            line = rf"^  model fraud\s+sklearn\s+in ingress\s+{re.escape(expected)}$"
+            assert re.search(line, shown.stdout, re.MULTILINE), shown.stdout
             for i in range(0, 4 * BATCH, 7):  # replays after all of it: duplicates, nothing moves
                 ack = client.feedback(
                     request_id=f"req-{i}", label=int(labels.tx.is_fraud[i]), feedback_id=f"fb-{i}"

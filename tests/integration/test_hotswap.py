@@ -1,7 +1,14 @@
-"""Hot swap of the scikit-learn model under continuous load, on real Ray Serve over real gRPC."""
+"""Hot swap of the scikit-learn model under continuous load, on real Ray Serve over real gRPC.
+
+The fraud model runs where it runs by default: inside every ingress replica (two here), next to the tree
+model. A swap reconfigures the ingress replicas in place: each one flips to the candidate, no process
+restarts, a decision already in flight finishes on the version it started with, and every answer names the
+version that scored it. The LLM, in a deployment of its own, is not touched.
+"""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -17,12 +24,17 @@ from riskserve.demo.build import build_demo_models
 from riskserve.demo.dataset import FEATURE_NAMES
 from riskserve.demo.tabular import make_tabular_data
 from riskserve.pipelines.client import RiskClient
-from riskserve.pipelines.spec import PipelineSpec
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.pipelines.publish import model_status
+from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 from riskserve.pipelines.swap import rollback, swap
+from riskserve.platform.artifacts import open_artifact
 from riskserve.platform.errors import Conflict, ModelLoadError
 from riskserve.wrappers.sklearn_model import LinearSnapshot, save_sklearn_artifact
 
-from .conftest import ServeCluster, deploy, pipeline_on
+from ..learning_helpers import own_connection, replica_statuses
+from .conftest import ServeCluster, deploy, endpoint, pipeline_on
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -31,9 +43,14 @@ REQUEST = {
     "categorical": {"merchant_category": "electronics", "channel": "online"},
     "text": "bought headphones for the house",
 }
-LOAD_PER_S = 10
-"""Decisions per second per load thread (two threads: 20 decisions/s in all)."""
-LOAD_THREADS = 2
+TABULAR = {k: v for k, v in REQUEST.items() if k != "text"}
+LOAD_PER_S = 5
+"""Decisions per second per load thread (four threads: 20 decisions/s in all)."""
+LOAD_THREADS = 4
+"""Each on a connection of its own, so the kernel spreads them over the ingress replicas."""
+INGRESS_REPLICAS = 2
+HOLD_MS = 12_000
+"""How long the in-flight test holds a decision in the model, well past a swap (a few seconds)."""
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +105,10 @@ def pipeline(
 
     previous = os.environ.get("RISKSERVE_STATE_DIR")
     os.environ["RISKSERVE_STATE_DIR"] = str(tmp_path_factory.mktemp("swap-state"))  # the swap history
-    spec = pipeline_on("card_fraud.yaml", demo_models)
+    spec = pipeline_on("card_fraud.yaml", demo_models, serving={"ingress": {"replicas": INGRESS_REPLICAS}})
+    assert spec.models["fraud"].in_ingress, "the default placement of a scikit-learn model"
+    assert spec.models["credit"].in_ingress
+    assert not spec.models["intent"].in_ingress
     deploy(spec)
     yield spec
     if previous is None:
@@ -97,41 +117,49 @@ def pipeline(
         os.environ["RISKSERVE_STATE_DIR"] = previous
 
 
-def _identities(app: str) -> dict[str, tuple[Any, ...]]:
+def _identities(spec: PipelineSpec) -> dict[str, Any]:
+    """The processes that serve and what they load: per ingress replica (actor id), its pid and when each
+    in-ingress model's runner started (credit's version too: it must not move); the LLM's replica and
+    engine."""
     from ray import serve
 
-    out = {}
-    for name in ("intent", "credit"):
-        meta = serve.get_deployment_handle(f"model-{name}", app_name=app).metadata.remote().result()
-        out[name] = (
-            meta["pid"],
-            meta["actor_id"],
-            meta["replica_started_at"],
-            meta["details"].get("engine_started_at"),
-        )
-    return out
+    intent = serve.get_deployment_handle("model-intent", app_name=spec.name).metadata.remote().result()
+    credit = replica_statuses(spec.name, "credit", INGRESS_REPLICAS)
+    fraud = replica_statuses(spec.name, "fraud", INGRESS_REPLICAS)
+    assert set(credit) == set(fraud), "the same ingress replicas hold both models"
+    return {
+        "ingress": {a: (s.pid, s.started_at, fraud[a].pid, fraud[a].started_at) for a, s in credit.items()},
+        "credit": {a: s.version for a, s in credit.items()},
+        "intent": (intent.pid, intent.actor_id, intent.started_at, intent.details.get("engine_started_at")),
+    }
+
+
+def _fraud_on_every_replica(spec: PipelineSpec) -> dict[str, str | None]:
+    """The fraud version each ingress replica serves (replica actor id -> version)."""
+    statuses = replica_statuses(spec.name, "fraud", INGRESS_REPLICAS)
+    assert {s.placement for s in statuses.values()} == {"ingress"}
+    return {actor: status.version for actor, status in statuses.items()}
 
 
 def test_swaps_under_load_lose_nothing_and_restart_nothing_else(
-    serve_cluster: ServeCluster, pipeline: PipelineSpec, candidates: dict[str, Path]
+    pipeline: PipelineSpec, candidates: dict[str, Path]
 ) -> None:
-    from riskserve.platform.artifacts import open_artifact
-
     original = open_artifact(pipeline.artifact_path("fraud"), kind="sklearn").version
     versions = {name: open_artifact(candidates[name], kind="sklearn").version for name in ("seed1", "seed2")}
-    before = _identities(pipeline.name)
+    before = _identities(pipeline)
+    assert set(_fraud_on_every_replica(pipeline).values()) == {original}
     responses: list[tuple[float, str]] = []
     failures: list[BaseException] = []
     stop = threading.Event()
 
     def load() -> None:
-        with RiskClient(
-            f"127.0.0.1:{serve_cluster.grpc_port}", pipeline=pipeline.name, timeout_s=20
-        ) as client:
+        with own_connection(endpoint(pipeline)) as channel:
+            stub = pb_grpc.RiskPipelineStub(channel)  # type: ignore[no-untyped-call]
+            metadata = (("application", pipeline.name),)
             while not stop.is_set():
                 sent = time.monotonic()
                 try:
-                    response = client.decide(**REQUEST)
+                    response = stub.Decide(pb.DecideRequest(**REQUEST), metadata=metadata, timeout=20)
                     fraud = next(m for m in response.models if m.model == "fraud")
                     assert not fraud.fallback, fraud
                     responses.append((sent, fraud.version))
@@ -148,6 +176,7 @@ def test_swaps_under_load_lose_nothing_and_restart_nothing_else(
     try:
         time.sleep(3)
         for step in ("seed1", "truncated", "seed2", "checksum", "width", "constant", "rollback"):
+            serving = flips[-1][1] if flips else original
             if step == "rollback":
                 result = rollback(pipeline, "fraud")
             elif step.startswith("seed"):
@@ -155,11 +184,18 @@ def test_swaps_under_load_lose_nothing_and_restart_nothing_else(
             else:
                 with pytest.raises(ModelLoadError) as info:
                     swap(pipeline, "fraud", candidates[step])
-                serving = flips[-1][1] if flips else original
                 assert f"{serving} keeps serving" in str(info.value)
                 refusals[step] = str(info.value)
+                assert set(_fraud_on_every_replica(pipeline).values()) == {serving}, (
+                    "a refusal changes nothing"
+                )
                 continue
             flips.append((time.monotonic(), result.new_version))
+            assert result.old_version == serving
+            on_replicas = _fraud_on_every_replica(pipeline)
+            assert set(on_replicas.values()) == {result.new_version}, (
+                f"every ingress replica flips: {on_replicas}"
+            )
             time.sleep(4)
     finally:
         stop.set()
@@ -180,7 +216,7 @@ def test_swaps_under_load_lose_nothing_and_restart_nothing_else(
     assert "sha256" in refusals["checksum"]
     assert "was trained on" in refusals["width"]
     assert "constant" in refusals["constant"]
-    assert _identities(pipeline.name) == before, "the LLM and the tree model were not restarted"
+    assert _identities(pipeline) == before, "no ingress replica, tree model or LLM was restarted"
 
 
 def test_two_swaps_at_once_one_runs_the_other_is_refused(
@@ -199,18 +235,60 @@ def test_two_swaps_at_once_one_runs_the_other_is_refused(
     assert "already running" in conflicts[0]
 
 
-def test_a_large_batch_in_flight_finishes_on_the_version_it_started_with(
-    serve_cluster: ServeCluster, pipeline: PipelineSpec, candidates: dict[str, Path]
-) -> None:
-    from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+@pytest.fixture(scope="module")
+def held(
+    pipeline: PipelineSpec, demo_models: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[PipelineSpec, Path]:
+    """A pipeline whose fraud model runs in the ingress behind a fault-injecting wrapper, so a test can
+    hold a decision inside the model (``delay_ms``) for as long as it needs. It shares ``pipeline``'s
+    swap history directory."""
+    control = tmp_path_factory.mktemp("hold") / "fraud.json"
+    control.write_text("{}")
+    data = pipeline_on("tabular_only.yaml", demo_models, name="swap_inflight").resolved()
+    data["models"]["fraud"] = {
+        **data["models"]["fraud"],
+        "kind": "fault_injection",
+        "placement": "ingress",
+        "settings": {"inner_kind": "sklearn", "control_file": str(control)},
+    }
+    spec = parse_pipeline(data, source="swap_inflight")
+    deploy(spec)
+    return spec, control
 
-    requests = [pb.DecideRequest(request_id=f"b{i}", **{k: v for k, v in REQUEST.items() if k != "text"})
-                for i in range(512)]  # fmt: skip
-    target = f"127.0.0.1:{serve_cluster.grpc_port}"
-    with RiskClient(target, pipeline=pipeline.name, timeout_s=60) as client, ThreadPoolExecutor(1) as pool:
+
+def test_a_large_batch_in_flight_in_the_ingress_finishes_on_the_version_it_started_with(
+    held: tuple[PipelineSpec, Path], candidates: dict[str, Path]
+) -> None:
+    spec, control = held
+    original = open_artifact(spec.artifact_path("fraud"), kind="sklearn").version
+    candidate = open_artifact(candidates["seed2"], kind="sklearn").version
+    before = model_status(spec, "fraud")
+    assert (before.placement, before.version) == ("ingress", original)
+    requests = [pb.DecideRequest(request_id=f"b{i}", **TABULAR) for i in range(512)]
+    with (
+        RiskClient(endpoint(spec), pipeline=spec.name, timeout_s=60) as client,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        control.write_text(json.dumps({"delay_ms": HOLD_MS}))
         batch = pool.submit(client.decide_batch, requests)
-        swap(pipeline, "fraud", candidates["seed2"])
+        deadline = time.monotonic() + 30
+        while model_status(spec, "fraud").calls == before.calls:  # the batch reached the model
+            assert not batch.done(), f"the batch ended before it reached the model: {batch.result()}"
+            assert time.monotonic() < deadline, "the batch never reached the model"
+            time.sleep(0.05)
+        time.sleep(0.5)  # it read the control file: it is held inside the version it started on
+        control.write_text("{}")
+        result = swap(spec, "fraud", candidates["seed2"])
+        assert not batch.done(), "the batch ended before the swap did: nothing was in flight at the flip"
+        fresh = client.decide(**TABULAR)
         answers = batch.result()
-    versions = {next(m.version for m in r.models if m.model == "fraud") for r in answers}
-    assert len(versions) == 1, "one batch, one version"
+    assert (result.old_version, result.new_version) == (original, candidate)
+    assert next(m for m in fresh.models if m.model == "fraud").version == candidate
+    fraud = [next(m for m in r.models if m.model == "fraud") for r in answers]
+    assert len(fraud) == 512
+    assert not any(m.fallback for m in fraud)
+    assert {m.version for m in fraud} == {original}, "a batch in flight finishes on the version it started on"
     assert np.isfinite([r.risk_score for r in answers]).all()
+    after = model_status(spec, "fraud")
+    assert after.version == candidate
+    assert (after.pid, after.actor_id, after.started_at) == (before.pid, before.actor_id, before.started_at)

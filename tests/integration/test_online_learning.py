@@ -1,7 +1,9 @@
 """Online learning on real Ray Serve over real gRPC: Feedback -> durable log -> partial_fit -> every replica.
 
 The reference model is computed here, without the service: the same requests encoded by the pipeline's
-own feature encoder, cut into the same mini-batches in the order the labels were acknowledged.
+own feature encoder, cut into the same mini-batches in the order the labels were acknowledged. The fraud
+model runs where it runs by default, inside every ingress replica (two here): a learned version is
+published by reconfiguring the ingress replicas in place, never by restarting one.
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ import yaml
 
 from riskserve.learning.learner import load_version
 from riskserve.pipelines.client import RiskClient
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 from riskserve.platform.errors import Conflict, InvalidInput, NotFound, Overloaded
 
-from ..learning_helpers import BATCH, ONLINE, Labels
-from .conftest import GENEROUS_TIMEOUT_MS, PIPELINES, ServeCluster, deploy
+from ..learning_helpers import BATCH, ONLINE, Labels, own_connection, replica_statuses
+from .conftest import GENEROUS_TIMEOUT_MS, PIPELINES, ServeCluster, deploy, endpoint, free_port
 
 pytestmark = pytest.mark.slow
 
 APP = "learning"
+INGRESS_REPLICAS = 2
 
 
 def _spec(models: Path) -> PipelineSpec:
@@ -38,15 +43,20 @@ def _spec(models: Path) -> PipelineSpec:
     for name, model in data["models"].items():
         model["artifact"] = str(models / name)
         model["timeout_ms"] = GENEROUS_TIMEOUT_MS
-    data["models"]["fraud"]["replicas"] = 2
     data["models"]["fraud"]["online"] = ONLINE
     data["feedback"] = {
         "log_path": str(Path(tempfile.mkdtemp(prefix="feedback-")) / "log.sqlite"),
         "source_rate_per_s": 0.5,
         "source_burst": 100,
     }
-    data["serving"] = {"decision_timeout_ms": GENEROUS_TIMEOUT_MS}
-    return parse_pipeline(data, base_dir=PIPELINES, source="learning")
+    data["serving"] = {
+        "decision_timeout_ms": GENEROUS_TIMEOUT_MS,
+        "ingress": {"replicas": INGRESS_REPLICAS},
+        "grpc": {"port": free_port()},
+    }
+    spec = parse_pipeline(data, base_dir=PIPELINES, source="learning")
+    assert spec.models["fraud"].in_ingress, "the default placement of a scikit-learn model"
+    return spec
 
 
 def _feedback_status() -> dict[str, Any]:
@@ -66,25 +76,49 @@ def _wait(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.25)
 
 
-def _fraud_versions(probes: int = 16) -> set[str]:
-    from ray import serve
+def _fraud_versions() -> set[str]:
+    """The fraud versions the ingress replicas serve (every replica asked)."""
+    statuses = replica_statuses(APP, "fraud", INGRESS_REPLICAS)
+    assert {s.placement for s in statuses.values()} == {"ingress"}
+    return {str(s.version) for s in statuses.values()}
 
-    handle = serve.get_deployment_handle("model-fraud", app_name=APP)
-    return {str(handle.metadata.remote().result()["version"]) for _ in range(probes)}
+
+def _ingress_processes() -> dict[str, tuple[int, float]]:
+    """Each ingress replica's process (actor id -> pid, when its fraud runner started)."""
+    return {a: (s.pid, s.started_at) for a, s in replica_statuses(APP, "fraud", INGRESS_REPLICAS).items()}
+
+
+def _answered_versions(spec: PipelineSpec, request: pb.DecideRequest, connections: int = 8) -> set[str]:
+    """The fraud versions named in answers to ``request`` (as a new decision: no request id), over
+    connections of their own (the kernel spreads them over the ingress replicas)."""
+    request = pb.DecideRequest(numeric=request.numeric, categorical=request.categorical)
+    versions = set()
+    for _ in range(connections):
+        with own_connection(endpoint(spec)) as channel:
+            stub = pb_grpc.RiskPipelineStub(channel)  # type: ignore[no-untyped-call]
+            response = stub.Decide(request, metadata=(("application", APP),), timeout=30)
+        versions |= {m.version for m in response.models if m.model == "fraud"}
+    return versions
 
 
 @pytest.fixture(scope="module")
 def learning(serve_cluster: ServeCluster, demo_models: Path) -> Iterator[tuple[PipelineSpec, Labels]]:
     spec = _spec(demo_models)
     deploy(spec)
-    with RiskClient(f"127.0.0.1:{serve_cluster.grpc_port}", pipeline=APP, timeout_s=30) as client:
+    with RiskClient(endpoint(spec), pipeline=APP, timeout_s=30) as client:
         yield spec, Labels(spec, client)
 
 
+@pytest.fixture(scope="module")
+def ingress_processes(learning: tuple[PipelineSpec, Labels]) -> dict[str, tuple[int, float]]:
+    """The ingress replicas as first deployed: learning must never restart one."""
+    return _ingress_processes()
+
+
 def test_labels_are_learned_once_and_published_to_every_replica(
-    learning: tuple[PipelineSpec, Labels], demo_models: Path
+    learning: tuple[PipelineSpec, Labels], demo_models: Path, ingress_processes: dict[str, tuple[int, float]]
 ) -> None:
-    _, labels = learning
+    spec, labels = learning
     base = load_version(demo_models / "fraud").snapshot
     responses = labels.decide(0, 3 * BATCH)
     assert {m.version for r in responses for m in r.models if m.model == "fraud"} == {base.version}
@@ -97,9 +131,11 @@ def test_labels_are_learned_once_and_published_to_every_replica(
     assert status["version"] == expected
     assert status["batches"] == {"applied": 3}
     assert status["pending"] == 0
-    _wait(lambda: _fraud_versions() == {expected}, 30, "both fraud replicas on the learned version")
+    _wait(lambda: _fraud_versions() == {expected}, 30, "both ingress replicas on the learned version")
+    assert _ingress_processes() == ingress_processes, "published in place: no ingress replica restarted"
     after = labels.decide(3 * BATCH, 4)
     assert {m.version for r in after for m in r.models if m.model == "fraud"} == {expected}
+    assert _answered_versions(spec, labels.requests["req-0"]) == {expected}
     credit = {m.version for r in after for m in r.models if m.model == "credit"}
     assert credit == {m.version for m in responses[0].models if m.model == "credit"}  # untouched
 
@@ -114,6 +150,7 @@ def test_labels_are_learned_once_and_published_to_every_replica(
     replayed = _feedback_status()["models"]["fraud"]
     assert (replayed["last_seq"], replayed["version"], replayed["pending"]) == (3 * BATCH, expected, 0)
     assert _fraud_versions() == {expected}
+    assert _ingress_processes() == ingress_processes
 
 
 def test_bad_feedback_gets_a_clear_status_and_records_nothing(learning: tuple[PipelineSpec, Labels]) -> None:
@@ -133,9 +170,9 @@ def test_bad_feedback_gets_a_clear_status_and_records_nothing(learning: tuple[Pi
 
 
 def test_kill_9_of_the_feedback_service_loses_no_label(
-    learning: tuple[PipelineSpec, Labels], demo_models: Path
+    learning: tuple[PipelineSpec, Labels], demo_models: Path, ingress_processes: dict[str, tuple[int, float]]
 ) -> None:
-    _, labels = learning
+    spec, labels = learning
     start = 3 * BATCH
     labels.decide(start + 4, 2 * BATCH)  # decisions 48..51 were made by the first test
     pid = _feedback_status()["pid"]
@@ -148,6 +185,8 @@ def test_kill_9_of_the_feedback_service_loses_no_label(
     assert len(labels.acked) == 5 * BATCH
     assert _feedback_status()["models"]["fraud"]["version"] == expected
     _wait(lambda: _fraud_versions() == {expected}, 30, "both replicas on the version after the restart")
+    assert _answered_versions(spec, labels.requests[f"req-{start}"]) == {expected}
+    assert _ingress_processes() == ingress_processes, "only the feedback service restarted"
 
 
 def test_a_source_over_its_rate_is_refused_by_name(learning: tuple[PipelineSpec, Labels]) -> None:

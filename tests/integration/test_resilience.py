@@ -1,7 +1,10 @@
 """Breakers, fallbacks, deadlines and backpressure on real Ray Serve over real gRPC.
 
 Faults are injected on purpose by the ``fault_injection`` backend, which wraps the real scikit-learn model
-and reads a control file before each prediction (tests named ``..._injected_...`` use it).
+and reads a control file before each prediction (tests named ``..._injected_...`` use it). Its default
+placement is a deployment of its own (``model-fraud``), so the ingress reaches it through a Serve handle:
+these drills cover the remote path (timeouts, cancellation, the model's queue), and every call reaches the
+pipeline's own gRPC port (:func:`endpoint`).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import pytest
 
 from riskserve.pipelines.client import RiskClient
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import DeadlineExceeded, Overloaded
 
-from .conftest import ServeCluster, deploy, pipeline_on
+from .conftest import ServeCluster, deploy, endpoint, pipeline_on
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +36,7 @@ REQUEST = {
 
 def _drill(
     name: str, models: Path, control: Path, *, fraud: dict[str, Any], serving: dict[str, Any] | None = None
-):  # type: ignore[no-untyped-def]
+) -> PipelineSpec:
     spec = pipeline_on("tabular_only.yaml", models, name=name)
     data = spec.resolved()
     data["models"]["fraud"] = {
@@ -45,7 +49,9 @@ def _drill(
         data["serving"] = {**data["serving"], **serving}
     from riskserve.pipelines.spec import parse_pipeline
 
-    return parse_pipeline(data, source=name)
+    drill = parse_pipeline(data, source=name)
+    assert not drill.models["fraud"].in_ingress, "the drills inject faults into a model deployment"
+    return drill
 
 
 def _faults(control: Path, **faults: object) -> None:
@@ -62,8 +68,9 @@ def drill(serve_cluster: ServeCluster, demo_models: Path, control: Path) -> Iter
     _faults(control)
     breaker = {"window_size": 4, "minimum_calls": 4, "failure_rate_threshold": 0.5, "open_ms": 1500,
                "half_open_probes": 2}  # fmt: skip
-    deploy(_drill("drill", demo_models, control, fraud={"timeout_ms": 800, "breaker": breaker}))
-    with RiskClient(f"127.0.0.1:{serve_cluster.grpc_port}", pipeline="drill", timeout_s=10) as client:
+    spec = _drill("drill", demo_models, control, fraud={"timeout_ms": 800, "breaker": breaker})
+    deploy(spec)
+    with RiskClient(endpoint(spec), pipeline="drill", timeout_s=10) as client:
         yield client
 
 
@@ -74,7 +81,7 @@ def _fraud(response: pb.DecideResponse) -> pb.ModelScore:
 def _model_calls(app: str) -> int:
     from ray import serve
 
-    calls: int = serve.get_deployment_handle("model-fraud", app_name=app).metadata.remote().result()["calls"]
+    calls: int = serve.get_deployment_handle("model-fraud", app_name=app).metadata.remote().result().calls
     return calls
 
 
@@ -157,7 +164,9 @@ def test_invalid_input_never_counts_against_a_model(drill: RiskClient) -> None:
 
 
 @pytest.fixture(scope="module")
-def slow_drill(serve_cluster: ServeCluster, demo_models: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def slow_drill(
+    serve_cluster: ServeCluster, demo_models: Path, tmp_path_factory: pytest.TempPathFactory
+) -> PipelineSpec:
     """fraud takes 3 s on purpose; the ingress takes 2 decisions at once and queues 1 more."""
     control = tmp_path_factory.mktemp("slow") / "fraud.json"
     _faults(control, delay_ms=3000)
@@ -167,31 +176,31 @@ def slow_drill(serve_cluster: ServeCluster, demo_models: Path, tmp_path_factory:
                  "decision_timeout_ms": 10_000},
     )  # fmt: skip
     deploy(spec)
-    return serve_cluster
+    return spec
 
 
 def test_the_callers_deadline_bounds_the_decision_and_cancels_the_model_call(
-    slow_drill: ServeCluster,
+    slow_drill: PipelineSpec,
 ) -> None:
     from ray import serve
 
     handle = serve.get_deployment_handle("model-fraud", app_name="drill_slow")
-    cancelled_before = handle.metadata.remote().result()["cancelled"]
-    with RiskClient(f"127.0.0.1:{slow_drill.grpc_port}", pipeline="drill_slow") as client:
+    cancelled_before = handle.metadata.remote().result().cancelled
+    with RiskClient(endpoint(slow_drill), pipeline="drill_slow") as client:
         started = time.perf_counter()
         with pytest.raises(DeadlineExceeded):
             client.decide(**REQUEST, timeout_s=0.5)
         elapsed = time.perf_counter() - started
     assert elapsed < 1.0, f"DEADLINE_EXCEEDED after {elapsed:.2f} s"
     deadline = time.monotonic() + 10
-    while handle.metadata.remote().result()["cancelled"] == cancelled_before and time.monotonic() < deadline:
+    while handle.metadata.remote().result().cancelled == cancelled_before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert handle.metadata.remote().result()["cancelled"] > cancelled_before, "the model's work was cancelled"
+    assert handle.metadata.remote().result().cancelled > cancelled_before, "the model's work was cancelled"
 
 
-def _concurrently(port: int, app: str, calls: int, timeout_s: float) -> list[tuple[str, float, Any]]:
+def _concurrently(spec: PipelineSpec, calls: int, timeout_s: float) -> list[tuple[str, float, Any]]:
     def call(_: int) -> tuple[str, float, Any]:
-        with RiskClient(f"127.0.0.1:{port}", pipeline=app) as client:
+        with RiskClient(endpoint(spec), pipeline=spec.name) as client:
             started = time.perf_counter()
             try:
                 response: Any = client.decide(**REQUEST, timeout_s=timeout_s)
@@ -206,9 +215,9 @@ def _concurrently(port: int, app: str, calls: int, timeout_s: float) -> list[tup
         return list(pool.map(call, range(calls)))
 
 
-def test_an_overloaded_ingress_is_a_prompt_resource_exhausted_never_a_hang(slow_drill: ServeCluster) -> None:
+def test_an_overloaded_ingress_is_a_prompt_resource_exhausted_never_a_hang(slow_drill: PipelineSpec) -> None:
     started = time.perf_counter()
-    results = _concurrently(slow_drill.grpc_port, "drill_slow", 8, timeout_s=9)
+    results = _concurrently(slow_drill, 8, timeout_s=9)
     refused = [elapsed for outcome, elapsed, _ in results if outcome == "RESOURCE_EXHAUSTED"]
     assert len(refused) >= 4, results  # 2 running + 1 queued in the ingress, the rest refused
     assert max(refused) < 1.0, results
@@ -222,8 +231,9 @@ def test_a_model_whose_queue_is_full_falls_back_as_overloaded(
     control = tmp_path_factory.mktemp("queue") / "fraud.json"
     _faults(control, delay_ms=2000)
     fraud = {"timeout_ms": 10_000, "max_ongoing_requests": 1, "max_queued_requests": 1}
-    deploy(_drill("drill_queue", demo_models, control, fraud=fraud))
-    results = _concurrently(serve_cluster.grpc_port, "drill_queue", 5, timeout_s=15)
+    spec = _drill("drill_queue", demo_models, control, fraud=fraud)
+    deploy(spec)
+    results = _concurrently(spec, 5, timeout_s=15)
     overloaded = [
         elapsed for outcome, elapsed, response in results
         if outcome == "ok" and _fraud(response).fallback_reason == "OVERLOADED"
