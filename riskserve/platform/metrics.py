@@ -66,6 +66,8 @@ workers' cadence but not the agent's gauge TTL.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
 import logging
 import os
@@ -102,6 +104,7 @@ __all__ = [
     "MetricType",
     "ModelMetrics",
     "PipelineMetrics",
+    "flush_metrics",
     "metrics_export_port",
     "metrics_targets",
     "ray_metrics_options",
@@ -281,6 +284,15 @@ _Tags = tuple[tuple[str, str], ...]
 """A series' tags, ordered like the metric's tag keys (hashable)."""
 
 
+def _series(spec: MetricSpec, tags: Mapping[str, str]) -> _Tags:
+    """A series' tags in the metric's tag-key order (hashable, what the registry keys on)."""
+    return tuple((key, tags[key]) for key in spec.tag_keys)
+
+
+_FLUSH_S: Final = 0.1
+"""How often records reach Ray's metric objects (Ray itself reports to its agent at most once a second)."""
+
+
 def _report_interval_s() -> float:
     """How often this process's worker reports metrics (Ray floors the interval at 1 s)."""
     try:
@@ -307,6 +319,10 @@ class _Registry:
         self.retired: dict[tuple[str, str], list[str]] = {}
         self._refresher: threading.Thread | None = None
         self._refresh_failed = False
+        self._pending: collections.deque[tuple[MetricSpec, _Tags, float]] = collections.deque()
+        self._flusher: threading.Thread | None = None
+        self._flush_lock = threading.Lock()
+        self._flush_failed = False
 
     def _metric(self, spec: MetricSpec) -> Any:
         metric = self._metrics.get(spec.name)
@@ -332,7 +348,7 @@ class _Registry:
 
     @staticmethod
     def _key(spec: MetricSpec, tags: Mapping[str, str]) -> tuple[str, _Tags]:
-        return spec.name, tuple((key, tags[key]) for key in spec.tag_keys)
+        return spec.name, _series(spec, tags)
 
     def bounded(self, spec: MetricSpec, key: str, value: str) -> str:
         """``value``, or ``other`` once the tag already has :data:`_MAX_FREE_VALUES` distinct values."""
@@ -346,18 +362,66 @@ class _Registry:
             return value
 
     def inc(self, spec: MetricSpec, tags: Mapping[str, str], value: float = 1.0) -> None:
-        with self._lock:
-            metric = self._metric(spec)
-            key = self._key(spec, tags)
-            self._counts[key] = self._counts.get(key, 0.0) + value
-        metric.inc(value, tags=dict(tags))
+        """Count now in the local tally; Ray gets the sum per series from the flusher thread."""
+        self.add(spec, _series(spec, tags), value, value)
 
     def observe(self, spec: MetricSpec, tags: Mapping[str, str], value: float) -> None:
+        """Tally now; the observation reaches Ray from the flusher thread (off the request path)."""
+        self.add(spec, _series(spec, tags), float(value), 1.0)
+
+    def add(self, spec: MetricSpec, series: _Tags, value: float, tally: float) -> None:
+        """Record ``value`` into one series (its tags already ordered, see :func:`_series`); ``tally`` is
+        what the local count of the series grows by (the value for counters, 1 for histograms)."""
+        key = (spec.name, series)
         with self._lock:
-            metric = self._metric(spec)
-            key = self._key(spec, tags)
-            self._counts[key] = self._counts.get(key, 0.0) + 1.0
-        metric.observe(float(value), tags=dict(tags))
+            self._counts[key] = self._counts.get(key, 0.0) + tally
+        self._pending.append((spec, series, value))
+        if self._flusher is None:
+            self._start_flusher()
+
+    def _start_flusher(self) -> None:
+        if self._flusher is None:
+            with self._lock:
+                if self._flusher is None:
+                    self._flusher = threading.Thread(
+                        target=self._flush_forever, name="riskserve-metrics", daemon=True
+                    )
+                    self._flusher.start()
+
+    def _flush_forever(self) -> None:
+        stop = threading.Event()
+        while not stop.wait(_FLUSH_S):
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand what was recorded since the last flush to Ray: one ``inc`` per counter series (the sum),
+        each histogram observation as it was. Ray reports to its agent every report interval anyway, so
+        the request path pays a deque append instead of Ray's tag checks and a C++ call per record."""
+        with self._flush_lock:
+            sums: dict[tuple[MetricSpec, _Tags], float] = {}
+            observed: list[tuple[MetricSpec, _Tags, float]] = []
+            while True:
+                try:
+                    spec, tags, value = self._pending.popleft()
+                except IndexError:
+                    break
+                if spec.type == "counter":
+                    sums[(spec, tags)] = sums.get((spec, tags), 0.0) + value
+                else:
+                    observed.append((spec, tags, value))
+            with self._lock:  # Ray's metric objects are made once, under the registry's lock
+                metrics = {spec.name: self._metric(spec) for spec, _ in sums} | {
+                    spec.name: self._metric(spec) for spec, _, _ in observed
+                }
+            try:
+                for (spec, tags), total in sums.items():
+                    metrics[spec.name].inc(total, tags=dict(tags))
+                for spec, tags, value in observed:
+                    metrics[spec.name].observe(value, tags=dict(tags))
+            except Exception:
+                if not self._flush_failed:
+                    self._flush_failed = True
+                    logger.exception("riskserve metrics: handing records to Ray failed")
 
     def set_gauge(self, spec: MetricSpec, tags: Mapping[str, str], value: float, keep: bool = True) -> None:
         """Set a gauge series; ``keep``: re-send it until :meth:`forget` (else it ages out of Ray's agent)."""
@@ -420,10 +484,27 @@ _registry_instance: _Registry | None = None
 def _registry() -> _Registry:
     """This process's registry (a new one after a fork: Ray objects do not survive one)."""
     global _registry_instance
+    registry = _registry_instance
+    if registry is not None and registry.pid == _PID[0]:
+        return registry
     with _registry_lock:
-        if _registry_instance is None or _registry_instance.pid != os.getpid():
+        _PID[0] = os.getpid()
+        if _registry_instance is None or _registry_instance.pid != _PID[0]:
             _registry_instance = _Registry()
         return _registry_instance
+
+
+_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+
+def flush_metrics() -> None:
+    """Hand every pending record to Ray now (tests, and a process about to exit)."""
+    if _registry_instance is not None and _registry_instance.pid == os.getpid():
+        _registry_instance.flush()
+
+
+atexit.register(flush_metrics)
 
 
 def recorded(metric: MetricSpec, **tags: str) -> float:
@@ -480,11 +561,21 @@ class ModelMetrics:
         A ``version`` other than the one serving becomes the serving version (:meth:`set_version`).
         """
         registry = _registry()
-        if version and version != self.version:
+        if version and version != registry.versions.get((self.model, self.kind), ""):
             self.set_version(version)
-        registry.inc(MODEL_REQUESTS, self._tags(version=version, outcome="ok"))
-        registry.observe(MODEL_LATENCY, self._tags(version=version), latency_s)
-        registry.observe(MODEL_BATCH_ROWS, self._tags(), rows)
+        cache: dict[str, tuple[_Tags, _Tags, _Tags]] = self.__dict__.setdefault("_call_series", {})
+        series = cache.get(version)
+        if series is None:  # built once per version: a call records three series
+            if len(cache) > _MAX_RETIRED_VERSIONS + 1:
+                cache.clear()
+            series = cache[version] = (
+                _series(MODEL_REQUESTS, self._tags(version=version, outcome="ok")),
+                _series(MODEL_LATENCY, self._tags(version=version)),
+                _series(MODEL_BATCH_ROWS, self._tags()),
+            )
+        registry.add(MODEL_REQUESTS, series[0], 1.0, 1.0)
+        registry.add(MODEL_LATENCY, series[1], latency_s, 1.0)
+        registry.add(MODEL_BATCH_ROWS, series[2], float(rows), 1.0)
 
     def error(self, reason: str, version: str = "", latency_s: float | None = None) -> None:
         """A call the model failed: one request (outcome error) and one error of ``reason``.
@@ -558,7 +649,8 @@ class PipelineMetrics:
                 f"unknown decision outcome {outcome!r}; expected one of {list(DECISION_OUTCOMES)}"
             )
         if count > 0:
-            _registry().inc(DECISIONS, {"pipeline": self.pipeline, "outcome": str(outcome)}, float(count))
+            series = (("pipeline", self.pipeline), ("outcome", str(outcome)))
+            _registry().add(DECISIONS, series, float(count), float(count))
 
     def invalid(self, field: str) -> None:
         """One request rejected as invalid because of ``field`` (past 64 distinct fields: ``other``)."""
@@ -568,11 +660,11 @@ class PipelineMetrics:
 
     def decision_latency(self, seconds: float) -> None:
         """End-to-end time of one decision call."""
-        _registry().observe(DECISION_LATENCY, {"pipeline": self.pipeline}, seconds)
+        _registry().add(DECISION_LATENCY, (("pipeline", self.pipeline),), seconds, 1.0)
 
     def feature_latency(self, seconds: float) -> None:
         """Time of the feature stage for one decision call."""
-        _registry().observe(FEATURE_LATENCY, {"pipeline": self.pipeline}, seconds)
+        _registry().add(FEATURE_LATENCY, (("pipeline", self.pipeline),), seconds, 1.0)
 
 
 def _nodes() -> list[dict[str, Any]]:

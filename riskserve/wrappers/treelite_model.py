@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import fcntl
 import json
 import logging
@@ -158,6 +159,52 @@ class _Engine:
     feature_names: list[str]
     details: dict[str, Any]
     lock: threading.Lock = field(default_factory=threading.Lock)
+    direct: _DirectRows | None = None
+    """The library's own per-row ``predict``, for small batches (no lock: it keeps no state)."""
+
+
+DIRECT_MAX_ROWS = 64
+"""Batches up to this many rows call the compiled per-row function directly; larger ones the predictor
+(tl2cgen's DMatrix and thread pool cost ~80 µs a call, which pays off only on large batches)."""
+
+
+class _DirectRows:
+    """The generated library's ``predict(union Entry* row, int pred_margin, float* out)``, row by row.
+
+    A finite float32 row is its own ``Entry`` array (``fvalue`` members; ``missing`` is -1 only for a NaN
+    bit pattern, which a checked matrix never holds). The function reads the row and writes the score: no
+    shared state, so calls need no lock. Used only after it reproduced the predictor bit for bit.
+    """
+
+    def __init__(self, library: Path, n_features: int) -> None:
+        lib = ctypes.CDLL(str(library))  # the library the predictor opened, after its hash was checked
+        lib.get_threshold_type.restype = ctypes.c_char_p
+        lib.get_leaf_output_type.restype = ctypes.c_char_p
+        lib.get_num_feature.restype = ctypes.c_int32
+        lib.get_num_target.restype = ctypes.c_int32
+        types = (lib.get_threshold_type(), lib.get_leaf_output_type())
+        shape = (lib.get_num_feature(), lib.get_num_target())
+        if types != (b"float32", b"float32") or shape != (n_features, 1):
+            raise ModelLoadError(f"{library}: (threshold, leaf) types {types}, shape {shape}: no direct rows")
+        self._predict = lib.predict
+        self._predict.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+        self._predict.restype = None
+
+    def predict(self, batch: FeatureMatrix, *, with_missing: bool = False) -> NDArray[np.float64]:
+        """Scores of a checked float32 C-contiguous batch; ``with_missing`` encodes NaN as a missing value
+        (``Entry.missing = -1``, as tl2cgen's DMatrix does) instead of assuming finite rows."""
+        if with_missing and np.isnan(batch).any():
+            encoded = np.array(batch, dtype=np.float32, order="C")
+            encoded.view(np.int32)[np.isnan(batch)] = -1
+            batch = encoded
+        rows = batch.shape[0]
+        out = np.zeros(rows, dtype=np.float32)
+        base, stride = int(batch.__array_interface__["data"][0]), batch.strides[0]
+        target = int(out.__array_interface__["data"][0])
+        predict = self._predict
+        for i in range(rows):
+            predict(base + i * stride, 0, target + 4 * i)
+        return out.astype(np.float64)
 
 
 @dataclass(frozen=True)
@@ -259,6 +306,8 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
         """
         engine = self._require_engine()
         rows = check_feature_matrix(batch, engine.feature_names)
+        if engine.direct is not None and rows.shape[0] <= DIRECT_MAX_ROWS:
+            return ModelOutput(scores=engine.direct.predict(rows), version=engine.version)
         if not engine.lock.acquire(blocking=False):
             raise InlineBusy(f"model '{self.name}' is scoring another batch")
         try:
@@ -353,6 +402,7 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
         }
         run = self._prepare_engine(artifact, model_file, raw, check_x, reference, details)
         details["gate"]["golden_rows"] = 0 if golden is None else int(golden[0].shape[0])
+        direct = _direct_rows(details, len(feature_names), run, check_x)
         details["load_seconds"] = round(time.perf_counter() - started, 4)
         logger.info(
             "model '%s' version %s loaded with %s in %.2fs (compiled=%s, cache_hit=%s)",
@@ -363,7 +413,9 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
             details["compiled"],
             details["cache_hit"],
         )
-        return _Engine(run=run, version=artifact.version, feature_names=feature_names, details=details)
+        return _Engine(
+            run=run, version=artifact.version, feature_names=feature_names, details=details, direct=direct
+        )
 
     def _prepare_engine(
         self,
@@ -568,6 +620,26 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
+
+
+def _direct_rows(
+    details: dict[str, Any], n_features: int, run: Callable[[FeatureMatrix], Any], check_x: FeatureMatrix
+) -> _DirectRows | None:
+    """The per-row path of a compiled library, if it scores the check batch exactly as the predictor."""
+    details["direct_rows"] = False
+    if details.get("engine") != "tl2cgen" or not details.get("library"):
+        return None
+    try:
+        direct = _DirectRows(Path(details["library"]), n_features)
+        same = np.array_equal(direct.predict(check_x, with_missing=True), _run_raw(run, check_x))
+    except (OSError, AttributeError, ModelLoadError) as error:
+        details["direct_rows_refused"] = str(error)
+        return None
+    if not same:
+        details["direct_rows_refused"] = "differs from the predictor on the check batch"
+        return None
+    details["direct_rows"] = True
+    return direct
 
 
 def _run_locked(engine: _Engine, batch: FeatureMatrix) -> NDArray[np.float64]:

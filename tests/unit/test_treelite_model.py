@@ -28,6 +28,7 @@ from riskserve.platform import (
     write_manifest,
 )
 from riskserve.wrappers.treelite_model import (
+    DIRECT_MAX_ROWS,
     GOLDEN_FILE,
     LIBRARY_NAME,
     TreeliteModel,
@@ -425,3 +426,30 @@ def test_unloaded_model_is_unavailable(served: Served) -> None:
 def test_toolchain_setting_refuses_shell_syntax(tmp_path: Path, toolchain: str) -> None:
     with pytest.raises(ValidationError):
         TreeliteSettings(name="m", artifact=tmp_path, cache_dir=tmp_path, toolchain=toolchain)
+
+
+def test_small_batches_call_the_compiled_rows_directly_bit_for_bit_and_without_a_lock(served: Served) -> None:
+    """Up to DIRECT_MAX_ROWS rows skip tl2cgen's DMatrix and thread pool: the library's per-row function
+    gives exactly the predictor's floats, from many threads at once (it keeps no state)."""
+    assert served.model.details()["direct_rows"] is True, served.model.details().get("direct_rows_refused")
+    batches = [np.nan_to_num(_rows(served.features, n, seed=300 + n)) for n in (1, 2, 17, DIRECT_MAX_ROWS)]
+    for x in batches:
+        direct = served.model.predict_now(x).scores
+        assert np.array_equal(direct, served.model.predict_sync(x))
+        np.testing.assert_allclose(direct, _xgb(served.booster, x), rtol=0, atol=TOLERANCE)
+    failures: list[int] = []
+    start = threading.Barrier(8)
+
+    def hammer(worker: int) -> None:
+        start.wait()
+        for step in range(50):
+            x = batches[(worker + step) % len(batches)]
+            if not np.array_equal(served.model.predict_now(x).scores, served.model.predict_sync(x)):
+                failures.append(worker)
+
+    threads = [threading.Thread(target=hammer, args=(w,)) for w in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
