@@ -37,9 +37,10 @@ typecheck: setup
 test: lint typecheck
 	$(BIN)/pytest
 
+# riskserve against a hand-written grpc.aio server with the same models, in one run (BENCHMARKS.md).
 bench: models
 	$(BIN)/python bench/models.py --models $(MODELS)
-	$(BIN)/python bench/decide.py --models $(MODELS)
+	$(BIN)/python bench/hotpath.py --models $(MODELS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

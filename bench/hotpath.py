@@ -1,0 +1,758 @@
+"""riskserve against the floor in one run: the same requests, the same client, one system at a time.
+
+Systems (``--systems``, in this order):
+
+  * ``floor``: ``bench/floor_server.py``, a hand-written grpc.aio server with the same models in one process;
+  * ``tabular_only``: ``riskserve up deploy/pipelines/tabular_only.yaml --grpc-port P``;
+  * ``card_fraud``: the same with the vLLM intent model (requests carry text; the engine takes minutes to
+    start on CPU, up to 10 are allowed);
+  * ``vllm_bare``: vLLM's own ``generate`` for the same intent prompts in one process, no gRPC: what
+    riskserve asks of the engine (one greedy token, log-probabilities of the label tokens), timed directly.
+
+Each gRPC system is started, warmed up, measured, and stopped before the next starts. The client is
+``bench/loadgen.py`` in its own process (its CPU is not the server's), one channel shared by its tasks.
+Phases: closed loop at concurrency 1 (p50/p99) and 8 (decisions/s, p50/p99, CPU seconds per decision of
+every server process over exactly that window, from ``/proc``, and resident memory), one ``DecideBatch``
+of 1000 rows at a time, then open loop at fixed offered rates (latency from the intended send time), from
+low to high so that overload comes last. Ratios to the floor are printed for each system, and for
+card_fraud its p50 minus vLLM's bare p50 (what the platform adds around the LLM).
+
+riskserve runs with ``RISKSERVE_STATE_DIR`` in a temporary directory (a user's running instance is never
+touched) and from a temporary copy of the pipeline YAML whose artifacts point at ``--models`` and whose
+feedback log lives in that directory too (the run leaves nothing in ``var/``). On 2 cores the client
+and server share the machine: absolute numbers include that, the ratios much less so.
+
+Run: ``.venv/bin/python bench/hotpath.py --models models`` (``make bench``); ``--quick`` for tiny counts,
+e.g. ``--quick --systems floor,tabular_only``. Writes ``OUT/hotpath.json`` and ``OUT/hotpath.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import write_results
+from bench._procs import TreeSample, cpu_delta, descendants, rss_bytes, sample_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+PIPELINES = ROOT / "deploy" / "pipelines"
+SYSTEMS = ("floor", "tabular_only", "card_fraud", "vllm_bare")
+GRPC_SYSTEMS = ("floor", "tabular_only", "card_fraud")
+LLM_SYSTEMS = ("card_fraud",)
+TABULAR_START_S = 300.0
+LLM_START_S = 600.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much each phase measures; bounded by time as well as by count, so a slow system ends too."""
+
+    warmup: int
+    c1_calls: int
+    c8_calls: int
+    closed_seconds: float
+    batch_rows: int
+    batch_calls: int
+    batch_seconds: float
+    tabular_rates: tuple[float, ...]
+    llm_rates: tuple[float, ...]
+    open_seconds: float
+    vllm_prompts: int
+
+
+FULL = Plan(
+    warmup=300,
+    c1_calls=2000,
+    c8_calls=20000,
+    closed_seconds=8.0,
+    batch_rows=1000,
+    batch_calls=20,
+    batch_seconds=15.0,
+    tabular_rates=(100, 300, 600, 1000),
+    llm_rates=(10, 30, 60),
+    open_seconds=6.0,
+    vllm_prompts=100,
+)
+QUICK = Plan(
+    warmup=20,
+    c1_calls=50,
+    c8_calls=200,
+    closed_seconds=4.0,
+    batch_rows=100,
+    batch_calls=5,
+    batch_seconds=10.0,
+    tabular_rates=(100,),
+    llm_rates=(10,),
+    open_seconds=2.0,
+    vllm_prompts=10,
+)
+
+
+@dataclass
+class Running:
+    """A started system: where to call it, which process tree is the server, and how to stop it."""
+
+    name: str
+    application: str
+    target: str
+    root_pid: int
+    text: bool
+    stop: Callable[[], None]
+    startup_s: float
+
+
+def log(message: str) -> None:
+    """One progress line on stderr."""
+    print(f"[hotpath {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+# -- starting and stopping the systems -----------------------------------------------------------------
+
+
+def start_floor(models: Path, run_dir: Path) -> Running:
+    """The floor server as a subprocess on a free port; returns once it printed that it serves."""
+    started = time.perf_counter()
+    log_path = run_dir / "floor.log"
+    command = [sys.executable, str(BENCH / "floor_server.py"), "--models", str(models), "--port", "0"]
+    with log_path.open("w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    line = _first_line(process, timeout_s=300.0)
+    if not line.startswith("serving on "):
+        process.kill()
+        raise RuntimeError(f"the floor did not start ({line!r}); {log_path}:\n{_tail(log_path)}")
+
+    def stop() -> None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    target = line.removeprefix("serving on ").strip()
+    return Running("floor", "tabular_only", target, process.pid, False, stop, time.perf_counter() - started)
+
+
+def _first_line(process: subprocess.Popen[str], timeout_s: float) -> str:
+    """The first stdout line of ``process``, or '' if it exits or stays silent for ``timeout_s``."""
+    stdout = process.stdout
+    assert stdout is not None
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return box[0] if box else ""
+
+
+def pipeline_copy(name: str, models: Path, run_dir: Path) -> Path:
+    """The shipped pipeline YAML with absolute artifact paths into ``models`` and any feedback log (and
+    learned versions) under ``run_dir``, written to ``run_dir``."""
+    import yaml
+
+    data = yaml.safe_load((PIPELINES / f"{name}.yaml").read_text())
+    for model_name, model in data["models"].items():
+        model["artifact"] = str((models / model_name).resolve())
+        if model.get("online", {}).get("artifact_dir"):
+            model["online"]["artifact_dir"] = str(run_dir / f"{name}-learned" / model_name)
+    if "feedback" in data:
+        data["feedback"]["log_path"] = str(run_dir / f"{name}-feedback.sqlite")
+    tracing = data.get("tracing", {})
+    if tracing.get("file_path"):
+        tracing["file_path"] = str(run_dir / f"{name}-traces.jsonl")
+    path = run_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _riskserve(*args: str, timeout_s: float) -> tuple[int, str]:
+    """Run the ``riskserve`` command of this interpreter's environment; (exit code, its output).
+
+    Past ``timeout_s`` it is killed with every process below it (``up`` detaches its server into a
+    session of its own; it is still a descendant), and the exit code is -9.
+    """
+    executable = Path(sys.executable).parent / "riskserve"
+    process = subprocess.Popen(
+        [str(executable), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for pid in descendants(process.pid):  # by pid: never a process group that might hold us
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        return -9, f"timed out after {timeout_s:.0f} s\n{output}"
+    return process.returncode, output
+
+
+def start_riskserve(name: str, models: Path, run_dir: Path) -> Running:
+    """``riskserve up`` of one pipeline (returns once it serves); stopped by ``riskserve down``."""
+    from riskserve.pipelines.local import read_state
+
+    started = time.perf_counter()
+    port = _free_port()
+    timeout_s = LLM_START_S if name in LLM_SYSTEMS else TABULAR_START_S
+    code, output = _riskserve(
+        "up", str(pipeline_copy(name, models, run_dir)), "--grpc-port", str(port), timeout_s=timeout_s
+    )
+    state = read_state()
+    if code != 0 or state is None:
+        if state is not None:
+            _riskserve("down", timeout_s=180.0)
+        raise RuntimeError(f"riskserve up {name} failed ({code}):\n{output[-4000:]}")
+
+    def stop() -> None:
+        code, output = _riskserve("down", timeout_s=180.0)
+        if code != 0:
+            log(f"{name}: riskserve down failed ({code}), killing its process group: {output[-500:]}")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(state.pid, signal.SIGKILL)
+
+    return Running(
+        name, name, state.target, state.pid, name in LLM_SYSTEMS, stop, time.perf_counter() - started
+    )
+
+
+@contextlib.contextmanager
+def running(name: str, models: Path, run_dir: Path) -> Iterator[Running]:
+    """A started system for the block, stopped after it whatever happens."""
+    log(f"{name}: starting")
+    system = start_floor(models, run_dir) if name == "floor" else start_riskserve(name, models, run_dir)
+    log(f"{name}: serving on {system.target} after {system.startup_s:.1f} s")
+    try:
+        yield system
+    finally:
+        log(f"{name}: stopping")
+        system.stop()
+
+
+# -- measuring -----------------------------------------------------------------------------------------
+
+
+def loadgen(
+    system: Running,
+    mode: str,
+    options: Sequence[str],
+    *,
+    bound_s: float,
+    on_start: Callable[[], None] = lambda: None,
+    on_end: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """One ``bench/loadgen.py`` run against ``system``; killed if it has not finished after ``bound_s``."""
+    command = [
+        sys.executable,
+        str(BENCH / "loadgen.py"),
+        "--target",
+        system.target,
+        "--pipeline",
+        system.application,
+        "--mode",
+        mode,
+        *options,
+    ]
+    if system.text:
+        command.append("--text")
+    with tempfile.TemporaryFile("w+") as errors:  # a file, not a pipe: a chatty stderr cannot block it
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
+        watchdog = threading.Timer(bound_s, process.kill)
+        watchdog.start()
+        try:
+            result = _follow(process, on_start, on_end)
+        finally:
+            watchdog.cancel()
+        errors.seek(0)
+        stderr = errors.read()
+    if process.returncode != 0 or result is None:
+        raise RuntimeError(
+            f"loadgen {mode} {' '.join(options)} failed ({process.returncode}):\n{stderr[-3000:]}"
+        )
+    return result
+
+
+def _follow(
+    process: subprocess.Popen[str], on_start: Callable[[], None], on_end: Callable[[], None]
+) -> dict[str, Any] | None:
+    """Read loadgen's JSON lines to the end: call back on the window's start and end, return the result."""
+    assert process.stdout is not None
+    result = None
+    for line in process.stdout:
+        if not line.startswith("{"):
+            continue  # not ours (a library printing to stdout)
+        document = json.loads(line)
+        if document.get("event") == "start":
+            on_start()
+        elif document.get("event") == "end":
+            on_end()
+        else:
+            result = document
+    process.wait()
+    return result
+
+
+def _bound(seconds: float, warmup_calls: int) -> float:
+    """Generous wall-clock bound of a loadgen run: start-up, warm-up, window, answers' 5 s deadline."""
+    return 60.0 + seconds + 10.0 + warmup_calls * 0.5
+
+
+def closed(system: Running, concurrency: int, calls: int, plan: Plan, channels: int) -> dict[str, Any]:
+    """Closed loop at ``concurrency``, with the server tree's CPU over exactly the window and its memory."""
+    samples: dict[str, TreeSample] = {}
+    times: dict[str, float] = {}
+
+    def mark(which: str) -> Callable[[], None]:
+        def sample() -> None:
+            samples[which] = sample_tree(system.root_pid)
+            times[which] = time.perf_counter()
+
+        return sample
+
+    options = [f"-c{concurrency}", f"--calls={calls}", f"--seconds={plan.closed_seconds}"]
+    options += [f"--channels={channels}", "--warmup=20"]
+    result = loadgen(
+        system,
+        "closed",
+        options,
+        bound_s=_bound(plan.closed_seconds, 20),
+        on_start=mark("start"),
+        on_end=mark("end"),
+    )
+    cpu_s, exited = cpu_delta(samples["start"], samples["end"])
+    window = times["end"] - times["start"]
+    result["server"] = {
+        "cpu_s": cpu_s,
+        "window_s": window,
+        "cores_busy": cpu_s / window if window > 0 else 0.0,
+        "cpu_ms_per_decision": cpu_s * 1e3 / max(result["decisions"], 1),
+        "processes": len(samples["end"].cpu_s),
+        "processes_exited_in_window": exited,
+        "rss_mb": rss_bytes(system.root_pid) / 2**20,
+    }
+    return result
+
+
+def batch(system: Running, plan: Plan) -> dict[str, Any]:
+    """``DecideBatch`` of ``plan.batch_rows`` rows, one call at a time."""
+    options = [f"--batch={plan.batch_rows}", f"--calls={plan.batch_calls}", f"--seconds={plan.batch_seconds}"]
+    return loadgen(system, "batch", [*options, "--warmup=2"], bound_s=_bound(plan.batch_seconds, 20))
+
+
+def open_loop(system: Running, rate: float, plan: Plan, channels: int) -> dict[str, Any]:
+    """Poisson arrivals at ``rate`` per second for ``plan.open_seconds``."""
+    options = [f"--rate={rate}", f"--seconds={plan.open_seconds}", f"--channels={channels}", "--warmup=20"]
+    return loadgen(system, "open", options, bound_s=_bound(plan.open_seconds, 20))
+
+
+def _brief(result: dict[str, Any]) -> str:
+    latency = result["latency_ms"]
+    text = f"p50 {latency['p50']:.2f} ms, p99 {latency['p99']:.2f} ms"
+    text += f", {result['decisions_per_s']:.0f} decisions/s"
+    if result["error_count"] or result["fallback_count"]:
+        text += f", errors {result['errors']}, fallbacks {result['fallbacks']}"
+    return text
+
+
+def measure_grpc(system: Running, plan: Plan, channels: int) -> dict[str, Any]:
+    """Every phase against one started system."""
+    log(f"{system.name}: warm-up ({plan.warmup} calls at c=8)")
+    options = ["-c8", f"--calls={plan.warmup}", "--seconds=60", "--warmup=0", f"--channels={channels}"]
+    loadgen(system, "closed", options, bound_s=_bound(60.0, 0))
+    out: dict[str, Any] = {"startup_s": system.startup_s, "target": system.target}
+    out["c1"] = closed(system, 1, plan.c1_calls, plan, channels)
+    log(f"{system.name}: c=1 {_brief(out['c1'])}")
+    out["c8"] = closed(system, 8, plan.c8_calls, plan, channels)
+    server = out["c8"]["server"]
+    log(
+        f"{system.name}: c=8 {_brief(out['c8'])}; server {server['cpu_ms_per_decision']:.3f} "
+        f"CPU-ms/decision, {server['cores_busy']:.2f} cores, {server['rss_mb']:.0f} MB"
+    )
+    out["batch"] = batch(system, plan)
+    log(f"{system.name}: DecideBatch({plan.batch_rows}) {_brief(out['batch'])}")
+    out["open"] = []
+    for rate in plan.llm_rates if system.text else plan.tabular_rates:
+        out["open"].append(open_loop(system, rate, plan, channels))
+        log(f"{system.name}: open loop {rate:g}/s {_brief(out['open'][-1])}")
+    return out
+
+
+# -- vLLM on its own -----------------------------------------------------------------------------------
+
+
+def _intent_model() -> tuple[float, dict[str, Any]]:
+    """``num_cpus`` and ``settings`` of card_fraud's intent model, as its YAML declares them."""
+    import yaml
+
+    intent = yaml.safe_load((PIPELINES / "card_fraud.yaml").read_text())["models"]["intent"]
+    return float(intent.get("num_cpus", 1.0)), dict(intent.get("settings", {}))
+
+
+def measure_vllm_bare(models: Path, plan: Plan, run_dir: Path) -> dict[str, Any]:
+    """Run :func:`vllm_bare_child` in a subprocess (its own engine, environment and log).
+
+    Its OpenMP threads are what Ray gives riskserve's intent replica (``OMP_NUM_THREADS`` = the model's
+    ``num_cpus``, at least 1, unless already set): on 2 busy cores 2 threads instead of 1 made a single
+    prompt about 15 times slower in our measurement, which would flatter riskserve.
+    """
+    result_path = run_dir / "vllm_bare.json"
+    log_path = run_dir / "vllm_bare.log"
+    num_cpus, _ = _intent_model()
+    env = {
+        "OMP_NUM_THREADS": str(max(int(num_cpus), 1)),
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    command = [sys.executable, __file__, "--child-vllm-bare", str(result_path), "--models", str(models)]
+    command += ["--vllm-prompts", str(plan.vllm_prompts)]
+    log(f"vllm_bare: starting the engine in a subprocess (OMP_NUM_THREADS={env['OMP_NUM_THREADS']})")
+    with log_path.open("w") as output:
+        done = subprocess.run(
+            command, stdout=output, stderr=subprocess.STDOUT, env=env, timeout=LLM_START_S + 300
+        )
+    if done.returncode != 0 or not result_path.exists():
+        raise RuntimeError(f"vllm_bare failed ({done.returncode}); {log_path}:\n{_tail(log_path)}")
+    result: dict[str, Any] = json.loads(result_path.read_text())
+    result["omp_num_threads"] = int(env["OMP_NUM_THREADS"])
+    log(
+        f"vllm_bare: engine up in {result['startup_s']:.1f} s; one prompt p50 "
+        f"{result['single']['p50']:.2f} ms, 8 at once p50 {result['eight']['p50']:.2f} ms"
+    )
+    return result
+
+
+def vllm_bare_child(result_path: Path, models: Path, prompts: int) -> None:
+    """In a fresh process: start a vLLM engine on the intent model as riskserve configures it, then time
+    tokenize + ``generate`` of one greedy token with the label tokens' log-probabilities and the softmax
+    over them, one prompt at a time and eight at once. Writes the result as JSON to ``result_path``."""
+    started = time.perf_counter()
+    import numpy as np
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from bench.loadgen import latency_ms
+    from riskserve.demo.dataset import generate_transactions
+    from riskserve.platform.artifacts import open_artifact
+    from riskserve.wrappers.vllm_model import VLLMSettings
+
+    import_s = time.perf_counter() - started
+    artifact = open_artifact(models / "intent", kind="vllm")
+    root = str(artifact.root.resolve())
+    tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    template = artifact.manifest.info["prompt_template"]
+    prefix = artifact.manifest.info.get("label_prefix", " ")
+    label_ids = [
+        tokenizer(prefix + label, add_special_tokens=False)["input_ids"][0]
+        for label in artifact.manifest.labels
+    ]
+    # The engine arguments riskserve starts card_fraud's intent model with (settings defaults + YAML).
+    settings = VLLMSettings.model_validate({"name": "intent", "artifact": root, **_intent_model()[1]})
+    llm = LLM(
+        model=root,
+        tokenizer=root,
+        skip_tokenizer_init=True,
+        trust_remote_code=False,
+        load_format="safetensors",
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        enforce_eager=settings.enforce_eager,
+        seed=settings.seed,
+        disable_log_stats=True,
+    )
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=label_ids, detokenize=False)
+    startup_s = time.perf_counter() - started
+    texts = generate_transactions(max(prompts, 8) * 8, seed=2026).text
+
+    distributions: list[Any] = []
+
+    def score(batch: Sequence[str]) -> None:
+        ids = tokenizer([template.replace("{text}", t) for t in batch])["input_ids"]
+        prompts = [TokensPrompt(prompt_token_ids=list(map(int, i))) for i in ids]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for output in outputs:  # the label distribution, as riskserve computes it
+            step = output.outputs[0].logprobs[0]  # type: ignore[index]
+            values = np.array([step[t].logprob for t in label_ids], dtype=np.float64)
+            exp = np.exp(values - values.max())
+            distributions.append(exp / exp.sum())
+
+    def timed(size: int, calls: int) -> list[float]:
+        samples = []
+        for i in range(calls):
+            t0 = time.perf_counter()
+            score(texts[i * size : (i + 1) * size])
+            samples.append(time.perf_counter() - t0)
+        return samples
+
+    timed(1, 5)  # warm-up: vLLM's first steps are slow
+    single = timed(1, prompts)
+    eight = timed(8, max(prompts // 4, 3))
+    result = {
+        "startup_s": startup_s,
+        "import_s": import_s,
+        "single": latency_ms(single),
+        "eight": latency_ms(eight),
+        "eight_prompts_per_s": 8 * len(eight) / sum(eight),
+        "prompts": prompts,
+    }
+    result_path.write_text(json.dumps(result) + "\n")
+
+
+# -- the report ----------------------------------------------------------------------------------------
+
+
+def ratios(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Each gRPC system's figures over the floor's (latency and cost: higher is worse; throughput: lower)."""
+    floor = results.get("floor")
+    if not floor or "error" in floor:
+        return {}
+    out = {}
+    for name in GRPC_SYSTEMS:
+        system = results.get(name)
+        if name == "floor" or not system or "error" in system:
+            continue
+        out[name] = {
+            "p50_c1": system["c1"]["latency_ms"]["p50"] / floor["c1"]["latency_ms"]["p50"],
+            "p99_c1": system["c1"]["latency_ms"]["p99"] / floor["c1"]["latency_ms"]["p99"],
+            "throughput_c8": system["c8"]["decisions_per_s"] / floor["c8"]["decisions_per_s"],
+            "cpu_per_decision": system["c8"]["server"]["cpu_ms_per_decision"]
+            / floor["c8"]["server"]["cpu_ms_per_decision"],
+            "batch": system["batch"]["latency_ms"]["p50"] / floor["batch"]["latency_ms"]["p50"],
+        }
+    return out
+
+
+def print_report(results: dict[str, Any], table: dict[str, dict[str, float]], plan: Plan) -> None:
+    """The summary table, ratios to the floor, open-loop lines and the LLM's share."""
+    print(
+        f"\n{'system':<13} | {'c=1 p50':>8} {'p99':>7} | {'c=8 dec/s':>9} {'p50':>7} {'p99':>7} | "
+        f"{'CPU-ms/dec':>10} {'RSS MB':>7} | {f'batch{plan.batch_rows} ms':>12} | errors"
+    )
+    for name in GRPC_SYSTEMS:
+        r = results.get(name)
+        if not r:
+            continue
+        if "error" in r:
+            print(f"{name:<13} | failed: {r['error'].splitlines()[0][:90]}")
+            continue
+        c1, c8, b = r["c1"]["latency_ms"], r["c8"], r["batch"]
+        errors = sum(x["error_count"] for x in (r["c1"], r["c8"], r["batch"]))
+        print(
+            f"{name:<13} | {c1['p50']:>8.2f} {c1['p99']:>7.2f} | {c8['decisions_per_s']:>9.0f} "
+            f"{c8['latency_ms']['p50']:>7.2f} {c8['latency_ms']['p99']:>7.2f} | "
+            f"{c8['server']['cpu_ms_per_decision']:>10.3f} {c8['server']['rss_mb']:>7.0f} | "
+            f"{b['latency_ms']['p50']:>12.1f} | {errors}"
+        )
+    if table:
+        print("\nratio to the floor (latency, CPU: x slower/costlier; throughput: x of the floor's)")
+        print(f"{'system':<13} | {'p50 c=1':>8} {'p99 c=1':>8} {'dec/s c=8':>10} {'CPU/dec':>8} {'batch':>7}")
+        for name, row in table.items():
+            print(
+                f"{name:<13} | {row['p50_c1']:>7.1f}x {row['p99_c1']:>7.1f}x {row['throughput_c8']:>9.2f}x "
+                f"{row['cpu_per_decision']:>7.1f}x {row['batch']:>6.1f}x"
+            )
+    print("\nopen loop (offered/s -> answered/s, p50 / p99 ms, errors, fallbacks)")
+    for name in GRPC_SYSTEMS:
+        r = results.get(name)
+        for point in (r or {}).get("open", []):
+            print(
+                f"  {name:<13} {point['offered_rate']:>6g}/s -> {point['decisions_per_s']:>7.1f}/s  "
+                f"{point['latency_ms']['p50']:>8.2f} / {point['latency_ms']['p99']:>8.2f}  "
+                f"{point['error_count']:>5}  {point['fallback_count']:>5}"
+            )
+    card, bare = results.get("card_fraud"), results.get("vllm_bare")
+    if card and bare and "error" not in card and "error" not in bare:
+        added = card["c1"]["latency_ms"]["p50"] - bare["single"]["p50"]
+        print(
+            f"\ncard_fraud c=1 p50 {card['c1']['latency_ms']['p50']:.2f} ms - vLLM bare p50 "
+            f"{bare['single']['p50']:.2f} ms = {added:.2f} ms around the LLM"
+        )
+
+
+def _bars(axis: Any, names: Sequence[str], series: dict[str, list[float]], title: str, unit: str) -> None:
+    """Grouped bars on a linear axis, each labelled with its value (systems differ by orders of magnitude:
+    the labels keep the small ones readable without a log axis that would misstate the ratios)."""
+    width = 0.8 / len(series)
+    for k, (label, values) in enumerate(series.items()):
+        offsets = [i - 0.4 + width * (k + 0.5) for i in range(len(names))]
+        bars = axis.bar(offsets, values, width, label=label)
+        axis.bar_label(bars, labels=[f"{v:.0f}" if v >= 100 else f"{v:.3g}" for v in values], fontsize=8)
+    axis.set_xticks(list(range(len(names))), names)
+    axis.set_title(title)
+    axis.set_ylabel(unit)
+    axis.grid(True, axis="y", alpha=0.3)
+    if len(series) > 1:
+        axis.legend()
+
+
+def _load_lines(axis: Any, names: Sequence[str], results: dict[str, Any]) -> None:
+    """p50 (solid) and p99 (dashed) latency against offered load, one colour per system, log-log."""
+    for name in names:
+        points = results[name].get("open", [])
+        rates = [p["offered_rate"] for p in points]
+        line = axis.plot(rates, [p["latency_ms"]["p50"] for p in points], marker="o", label=f"{name} p50")
+        color = line[0].get_color()
+        p99 = [p["latency_ms"]["p99"] for p in points]
+        axis.plot(rates, p99, ls="--", marker="x", color=color, label=f"{name} p99")
+    axis.set_title("open loop: latency from the intended send time")
+    axis.set_xlabel("offered load (decisions/s)")
+    axis.set_ylabel("latency (ms)")
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.grid(True, which="both", alpha=0.3)
+    if names:
+        axis.legend(fontsize=7)
+
+
+def plot(out_dir: Path, results: dict[str, Any]) -> Path:
+    """Four panels: c=1 p50/p99 bars, c=8 throughput, CPU per decision, latency against offered load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in GRPC_SYSTEMS if n in results and "error" not in results[n]]
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    latency = {q: [results[n]["c1"]["latency_ms"][q] for n in names] for q in ("p50", "p99")}
+    _bars(axes[0][0], names, latency, "Decide at concurrency 1", "latency (ms)")
+    throughput = {"c=8": [results[n]["c8"]["decisions_per_s"] for n in names]}
+    _bars(axes[0][1], names, throughput, "Decide at concurrency 8", "decisions per second")
+    cpu = {"CPU": [results[n]["c8"]["server"]["cpu_ms_per_decision"] for n in names]}
+    _bars(
+        axes[1][0], names, cpu, "server CPU per decision (every server process, c=8)", "CPU ms per decision"
+    )
+    _load_lines(axes[1][1], names, results)
+    figure.suptitle("riskserve against a hand-written grpc.aio floor (loopback)")
+    figure.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "hotpath.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+# -- main ----------------------------------------------------------------------------------------------
+
+
+def run_systems(
+    names: Sequence[str], models: Path, plan: Plan, channels: int, run_dir: Path
+) -> dict[str, Any]:
+    """Measure each system in turn; a system that fails is recorded with its error and the run goes on."""
+    results: dict[str, Any] = {}
+    for name in names:
+        started = time.perf_counter()
+        try:
+            if name == "vllm_bare":
+                results[name] = measure_vllm_bare(models, plan, run_dir)
+            else:
+                with running(name, models, run_dir) as system:
+                    results[name] = measure_grpc(system, plan, channels)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as error:
+            log(f"{name}: FAILED: {error}")
+            results[name] = {"error": str(error)}
+        log(f"{name}: done in {time.perf_counter() - started:.0f} s")
+    return results
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", type=Path, default=ROOT / "models", help="demo models (make models)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    parser.add_argument("--quick", action="store_true", help="tiny counts: a smoke run, not a measurement")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    parser.add_argument(
+        "--channels", type=int, default=None, help="gRPC channels per client (loadgen default)"
+    )
+    parser.add_argument("--child-vllm-bare", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--vllm-prompts", type=int, default=FULL.vllm_prompts, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    models = args.models.resolve()
+    if args.child_vllm_bare is not None:
+        vllm_bare_child(args.child_vllm_bare, models, args.vllm_prompts)
+        return 0
+    from bench.loadgen import DEFAULT_CHANNELS
+
+    plan = QUICK if args.quick else FULL
+    channels = args.channels or DEFAULT_CHANNELS
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=".hotpath-", dir=args.out))
+    os.environ["RISKSERVE_STATE_DIR"] = str(run_dir / "state")  # never a user's running riskserve
+    load = os.getloadavg()
+    log(f"systems {', '.join(args.systems)}; models {models}; load average {load[0]:.2f}; run dir {run_dir}")
+    started = time.perf_counter()
+    try:
+        results = run_systems(args.systems, models, plan, channels, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    table = ratios(results)
+    print_report(results, table, plan)
+    document = {
+        "systems": results,
+        "ratios_to_floor": table,
+        "settings": {"quick": args.quick, "plan": asdict(plan), "channels": channels, "models": str(models)},
+        "machine": {"cpus": os.cpu_count(), "load_average_at_start": load},
+        "seconds": time.perf_counter() - started,
+    }
+    card, bare = results.get("card_fraud", {}), results.get("vllm_bare", {})
+    if "c1" in card and "single" in bare:
+        document["card_fraud_p50_minus_vllm_bare_ms"] = (
+            card["c1"]["latency_ms"]["p50"] - bare["single"]["p50"]
+        )
+    json_path = write_results(args.out, "hotpath", document)
+    png = plot(args.out, results)
+    print(f"\nresults: {json_path}\nplot:    {png}")
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

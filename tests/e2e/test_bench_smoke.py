@@ -1,0 +1,90 @@
+"""The hot-path benchmark cannot rot: a tiny run against the floor, the way ``make bench`` runs it.
+
+Only the floor (``bench/floor_server.py``) is started here, so no Ray is needed; riskserve's own serving is
+exercised by the other tests and by ``make bench``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def floor(demo_models: Path) -> Iterator[str]:
+    """A running floor server on a free loopback port; yields its target."""
+    process = subprocess.Popen(
+        [sys.executable, str(BENCH / "floor_server.py"), "--models", str(demo_models), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("serving on 127.0.0.1:"), line
+        yield line.removeprefix("serving on ").strip()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_hotpath_quick_floor(demo_models: Path, tmp_path: Path) -> None:
+    command = [sys.executable, str(BENCH / "hotpath.py"), "--quick", "--systems", "floor"]
+    done = subprocess.run(
+        [*command, "--models", str(demo_models), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    floor = json.loads((tmp_path / "hotpath.json").read_text())["systems"]["floor"]
+    for phase in (floor["c1"], floor["c8"], floor["batch"], *floor["open"]):
+        assert phase["latency_ms"]["p50"] > 0
+        assert phase["latency_ms"]["p99"] >= phase["latency_ms"]["p50"]
+        assert phase["decisions"] > 0
+        assert phase["error_count"] == 0, phase["errors"]
+        assert phase["fallback_count"] == 0
+    assert floor["batch"]["decisions"] == floor["batch"]["ok"] * 100
+    assert floor["c8"]["server"]["cpu_ms_per_decision"] > 0
+    assert floor["c8"]["server"]["rss_mb"] > 0
+    assert (tmp_path / "hotpath.png").stat().st_size > 0
+    assert not list(tmp_path.glob(".hotpath-*")), "the run directory is removed"
+    assert "floor" in done.stdout
+
+
+def test_floor_refuses_bad_input_and_loadgen_counts_answers(floor: str) -> None:
+    with grpc.insecure_channel(floor) as channel:
+        stub = pb_grpc.RiskPipelineStub(channel)  # type: ignore[no-untyped-call]
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Decide(pb.DecideRequest(numeric={"amount": -1.0}), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("amount: ")
+
+    command = [sys.executable, str(BENCH / "loadgen.py"), "--target", floor, "--pipeline", "tabular_only"]
+    done = subprocess.run(
+        [*command, "--mode", "closed", "-c", "2", "--calls", "40", "--warmup", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert lines[:2] == [{"event": "start"}, {"event": "end"}]
+    result = lines[2]
+    assert (result["ok"], result["decisions"], result["errors"]) == (40, 40, {})
+    assert sum(result["outcomes"].values()) == 40
+    assert result["latency_ms"]["p50"] > 0
