@@ -123,4 +123,13 @@ def _delete_apps_after_module() -> Iterator[None]:
         from ray import serve
 
         for name in list(serve.status().applications):
-            serve.delete(name)
+            for attempt in range(3):
+                try:
+                    serve.delete(name)
+                    break
+                except TimeoutError:
+                    # An online learner's publish that was already on its way when the delete began
+                    # deploys the app again (Serve has no deploy-if-exists); its labels run out, so a
+                    # second delete sticks. The race is the operators' to avoid, not the tests' subject.
+                    if attempt == 2:
+                        raise
