@@ -19,6 +19,7 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 import copy
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,14 +123,19 @@ def _delete_apps_after_module() -> Iterator[None]:
     if ray.is_initialized():
         from ray import serve
 
-        for name in list(serve.status().applications):
-            for attempt in range(3):
-                try:
-                    serve.delete(name)
-                    break
-                except TimeoutError:
-                    # An online learner's publish that was already on its way when the delete began
-                    # deploys the app again (Serve has no deploy-if-exists); its labels run out, so a
-                    # second delete sticks. The race is the operators' to avoid, not the tests' subject.
-                    if attempt == 2:
-                        raise
+        remaining = set(serve.status().applications)
+        for name in remaining:
+            serve.delete(name, _blocking=False)
+        deadline = time.monotonic() + 120
+        while remaining and time.monotonic() < deadline:
+            time.sleep(0.5)
+            applications = serve.status().applications
+            for name in list(remaining):
+                app = applications.get(name)
+                if app is None:
+                    remaining.discard(name)
+                elif str(getattr(app.status, "value", app.status)) != "DELETING":
+                    # An online learner's publish already on its way when the delete began deploys the
+                    # app again (Serve has no deploy-if-exists): ask again; its labels run out.
+                    serve.delete(name, _blocking=False)
+        assert not remaining, f"applications not deleted after 120 s: {sorted(remaining)}"
