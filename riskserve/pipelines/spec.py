@@ -294,10 +294,12 @@ class ServingSpec(_Strict):
     inline_rows: int = Field(default=64, ge=0, le=1_000_000)
     """Batches up to this many rows are encoded and scored by in-ingress models on the event loop (tens of
     µs); larger ones go to a worker thread, so the front door keeps answering other calls."""
-    by_value_rows: int = Field(default=256, ge=0, le=1_000_000)
+    by_value_rows: int = Field(default=1024, ge=0, le=1_000_000)
     """A model in its own deployment gets a matrix of up to this many rows by value in the call; a larger
-    one through Ray's shared-memory object store (``ray.put`` once, read without a copy), where that pays
-    (see BENCHMARKS.md for the crossover measured)."""
+    one through Ray's shared-memory object store (``ray.put`` once, read without a copy). Measured here
+    (``bench/crossover.py``): by value is never slower up to 16,384 rows (Ray moves an argument over
+    100 KiB through shared memory itself) and a ``ray.put`` in a replica costs 1-1.7 ms, so the store pays
+    only when several remote models read one large matrix (from about 2,500 rows)."""
     decision_timeout_ms: float = Field(default=5000, gt=0, le=600_000)
     """Longest a decision may take when the caller sets no shorter deadline (``riskserve-timeout-ms``
     metadata, which RiskClient sends from its gRPC timeout); past it the call is DEADLINE_EXCEEDED."""
