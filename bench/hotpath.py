@@ -385,9 +385,23 @@ def _brief(result: dict[str, Any]) -> str:
     return text
 
 
+def settle(system: Running, *, idle_cores: float = 0.1, patience_s: float = 45.0) -> float:
+    """Wait until the server's processes are idle (a fresh Ray keeps starting agents for a while after
+    ``riskserve up`` returns); the same rule for every system. Returns the seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < patience_s:
+        before = sample_tree(system.root_pid)
+        time.sleep(1.0)
+        busy, _ = cpu_delta(before, sample_tree(system.root_pid))
+        if busy <= idle_cores:
+            break
+    return time.monotonic() - started
+
+
 def measure_grpc(system: Running, plan: Plan, channels: int) -> dict[str, Any]:
     """Every phase against one started system."""
-    log(f"{system.name}: warm-up ({plan.warmup} calls at c=8)")
+    waited = settle(system)
+    log(f"{system.name}: idle after {waited:.0f} s; warm-up ({plan.warmup} calls at c=8)")
     options = ["-c8", f"--calls={plan.warmup}", "--seconds=60", "--warmup=0", f"--channels={channels}"]
     loadgen(system, "closed", options, bound_s=_bound(60.0, 0))
     out: dict[str, Any] = {"startup_s": system.startup_s, "target": system.target}
