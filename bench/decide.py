@@ -1,4 +1,4 @@
-"""End-to-end ``Decide`` latency and throughput of real pipelines, over Ray Serve's gRPC proxy on loopback.
+"""End-to-end ``Decide`` latency and throughput of real pipelines, over each pipeline's gRPC front door.
 
 Starts a local Ray (its own processes, bound to loopback; other clusters on the machine are left alone) and
 Serve with the gRPC proxy, deploys ``tabular_only`` and ``card_fraud`` (vLLM intent model included) with the
@@ -112,21 +112,18 @@ def _spec(name: str, models: Path) -> Any:
     return parse_pipeline(data, base_dir=PIPELINES, source=f"{name}.yaml")
 
 
-def _start(specs: Sequence[Any], num_cpus: int | None) -> int:
-    """Start a local Ray and Serve with the gRPC proxy, deploy ``specs``; return the gRPC port."""
+def _start(specs: Sequence[Any], num_cpus: int | None) -> dict[str, str]:
+    """Start a local Ray and Serve (no proxies), deploy ``specs``, each pipeline's ingress serving its own
+    gRPC port; return each pipeline's ``HOST:PORT``."""
     import ray
     from ray import serve
-    from ray.serve.config import gRPCOptions
 
-    from riskserve.pipelines.app import GRPC_SERVICER_FUNCTIONS, build_application
+    from riskserve.pipelines.app import build_application
+    from riskserve.pipelines.endpoints import assign_endpoints, endpoint_of
     from riskserve.pipelines.local import pool_resources
+    from riskserve.pipelines.pools import pool_demands
 
-    needed = sum(
-        sum(m.num_cpus * m.replicas for m in s.models.values())
-        + s.serving.features.num_cpus * s.serving.features.replicas
-        + s.serving.ingress.num_cpus * s.serving.ingress.replicas
-        for s in specs
-    )
+    needed = sum(demand.cpus for demand in pool_demands(list(specs)).values())
     ray.init(
         address="local",
         num_cpus=num_cpus or max(os.cpu_count() or 1, int(needed + 0.999)),
@@ -134,16 +131,13 @@ def _start(specs: Sequence[Any], num_cpus: int | None) -> int:
         include_dashboard=False,
         log_to_driver=False,
     )
-    port = _free_port()
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": _free_port()},
-        grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
-    )
-    for spec in specs:
+    placed = assign_endpoints(list(specs), base_port=_free_port())
+    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
+    for spec in placed:
         started = time.perf_counter()
-        serve.run(build_application(spec), name=spec.name, route_prefix=f"/{spec.name}")
+        serve.run(build_application(spec), name=spec.name, route_prefix=None)
         print(f"  deployed {spec.name} in {time.perf_counter() - started:.1f} s", flush=True)
-    return port
+    return {spec.name: endpoint_of(spec) for spec in placed}
 
 
 def _stop() -> None:
@@ -230,7 +224,7 @@ def _concurrent(
 
 def _measure(
     name: str,
-    port: int,
+    target: str,
     args: argparse.Namespace,
     progress: tqdm,  # type: ignore[type-arg]
 ) -> dict[str, Any]:
@@ -241,7 +235,6 @@ def _measure(
 
     requests = _requests(name, 4096, seed=2026)
     metadata = (("application", name),)
-    target = f"127.0.0.1:{port}"
 
     def decider(channel: grpc.Channel, answers: list[Any] | None = None) -> Callable[[int], object]:
         stub = pb_grpc.RiskPipelineStub(channel)  # type: ignore[no-untyped-call]
@@ -434,14 +427,14 @@ def main() -> int:
     load = os.getloadavg()
     print(f"starting Ray + Serve (load average {load[0]:.2f}) and deploying {', '.join(args.pipelines)} ...")
     started = time.perf_counter()
-    port = _start(specs, args.num_cpus)
+    endpoints = _start(specs, args.num_cpus)
     startup_s = time.perf_counter() - started
     per_pipeline = args.warmup + args.repeats + 3 + args.batch_calls + args.concurrent_calls
     results: dict[str, dict[str, Any]] = {}
     try:
         with tqdm(total=per_pipeline * len(specs), desc="calls", unit="call", mininterval=1.0) as progress:
             for spec in specs:
-                results[spec.name] = _measure(spec.name, port, args, progress)
+                results[spec.name] = _measure(spec.name, endpoints[spec.name], args, progress)
     finally:
         _stop()
     _print(results)

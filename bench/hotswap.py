@@ -96,6 +96,7 @@ class Bench:
 
     spec: Any
     target: str
+    learning_target: str
     requests: list[Any]
     candidates: dict[str, Path]
     versions: dict[str, str]
@@ -160,9 +161,10 @@ def _identities(app: str) -> dict[str, dict[str, Any]]:
     from ray import serve
 
     out = {}
+    ingress = serve.get_deployment_handle("ingress", app_name=app)
     for name in WATCHED:
-        meta = serve.get_deployment_handle(f"model-{name}", app_name=app).metadata.remote().result()
-        out[name] = {k: meta[k] for k in ("pid", "actor_id", "replica_started_at")}
+        meta = ingress.model_status.remote(name).result()
+        out[name] = {"pid": meta.pid, "actor_id": meta.actor_id, "replica_started_at": meta.started_at}
     return out
 
 
@@ -369,7 +371,7 @@ def measure_label_to_version(bench: Bench, args: argparse.Namespace) -> dict[str
     publish_s: list[float] = []
     outcomes: Counter[str] = Counter()
     with (
-        RiskClient(bench.target, pipeline=LEARNING, timeout_s=30) as client,
+        RiskClient(bench.learning_target, pipeline=LEARNING, timeout_s=30) as client,
         tqdm(total=rounds, desc="label -> new version", unit="round") as progress,
     ):
         for r in range(rounds):
@@ -621,10 +623,10 @@ def main() -> int:
         print(f"starting Ray + Serve (load average {load[0]:.2f}) and deploying {PIPELINE} ...")
         started = time.perf_counter()
         learning = learning_spec(args.models, Path(scratch), args.label_batch)
-        port = _start([spec, learning], args.num_cpus)
+        endpoints = _start([spec, learning], args.num_cpus)
         startup_s = time.perf_counter() - started
         bench = Bench(
-            spec, f"127.0.0.1:{port}", _requests(PIPELINE, 4096, seed=2026), candidates,
+            spec, endpoints[PIPELINE], endpoints[LEARNING], _requests(PIPELINE, 4096, seed=2026), candidates,
             _known_versions(args.models, candidates),
         )  # fmt: skip
         results: dict[str, Any] = {}
