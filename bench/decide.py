@@ -85,15 +85,8 @@ def _requests(name: str, count: int, seed: int) -> list[Any]:
     tx = generate_transactions(count, seed=seed)
     out = []
     for i in range(count):
-        row = tx.row(i)
-        out.append(
-            pb.DecideRequest(
-                request_id=f"{name}-{i}",
-                numeric={k: float(v) for k, v in row.items() if isinstance(v, float)},
-                categorical={k: str(row[k]) for k in ("merchant_category", "channel")},
-                text=str(row["text"]) if name == "card_fraud" else "",
-            )
-        )
+        fields = tx.request_fields(i, text=name == "card_fraud")
+        out.append(pb.DecideRequest(request_id=f"{name}-{i}", **fields))
     return out
 
 

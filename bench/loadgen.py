@@ -93,13 +93,10 @@ def make_requests(count: int, seed: int, text: bool) -> list[pb.DecideRequest]:
     tx = generate_transactions(count, seed=seed)
     out = []
     for i in range(count):
-        row = tx.row(i)
         out.append(
             pb.DecideRequest(
                 request_id=f"load-{seed}-{i}",
-                numeric={k: float(v) for k, v in row.items() if isinstance(v, float)},
-                categorical={k: str(row[k]) for k in ("merchant_category", "channel")},
-                text=str(row["text"]) if text else "",
+                **tx.request_fields(i, text=text),
             )
         )
     return out

@@ -7,6 +7,7 @@ and the intent LLM each carry part of the signal. Everything is a pure function 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -124,6 +125,16 @@ class Transactions:
 
     def __len__(self) -> int:
         return len(self.text)
+
+    def request_fields(self, i: int, *, text: bool) -> dict[str, Any]:
+        """Transaction ``i`` as the keyword arguments of a ``DecideRequest`` (``numeric``, ``categorical``
+        and, with ``text``, the customer's message), as the benchmarks and tests send it."""
+        row = self.row(i)
+        return {
+            "numeric": {k: float(v) for k, v in row.items() if isinstance(v, float)},
+            "categorical": {k: str(row[k]) for k in ("merchant_category", "channel")},
+            "text": str(row["text"]) if text else "",
+        }
 
     def row(self, i: int) -> dict[str, float | str]:
         """One transaction as a request would carry it (numeric and categorical fields, and the text)."""

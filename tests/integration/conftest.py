@@ -53,6 +53,29 @@ def endpoint(spec: PipelineSpec) -> str:
     return endpoint_of(spec)
 
 
+def serving_pid(spec: PipelineSpec) -> int:
+    """The one process listening on the pipeline's gRPC port (its ingress replica), found by the kernel's
+    socket table, not by asking riskserve."""
+    port = int(endpoint(spec).rsplit(":", 1)[1])
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                sockets.add(f"socket:[{fields[9]}]")
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
+                pids.add(int(proc.name))
+        except OSError:  # gone, or not ours
+            continue
+    assert len(pids) == 1, f"expected one process listening on {port}, found {pids}"
+    return pids.pop()
+
+
 def channel(spec: PipelineSpec) -> grpc.Channel:
     """A new channel to a deployed pipeline's front door."""
     return grpc.insecure_channel(endpoint_of(spec))

@@ -4,7 +4,6 @@ deployments of their own still read one shared buffer."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 
-from .conftest import ServeCluster, channel, deploy, endpoint, pipeline_on
+from .conftest import ServeCluster, channel, deploy, pipeline_on, serving_pid
 
 pytestmark = pytest.mark.slow
 
@@ -76,29 +75,6 @@ def _handle(app: str, deployment: str = "ingress") -> Any:
     return serve.get_deployment_handle(deployment, app_name=app)
 
 
-def _serving_pid(spec: PipelineSpec) -> int:
-    """The one process listening on the pipeline's gRPC port (its ingress replica), found by the kernel's
-    socket table, not by asking riskserve."""
-    port = int(endpoint(spec).rsplit(":", 1)[1])
-    sockets = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
-                sockets.add(f"socket:[{fields[9]}]")
-    pids = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
-                pids.add(int(proc.name))
-        except OSError:  # gone, or not ours
-            continue
-    assert len(pids) == 1, f"expected one process listening on {port}, found {pids}"
-    return pids.pop()
-
-
 def test_no_feature_deployment_by_default_and_the_same_decisions(
     specs: dict[str, PipelineSpec], stubs: Callable[[PipelineSpec], pb_grpc.RiskPipelineStub]
 ) -> None:
@@ -148,7 +124,7 @@ def test_encoded_once_per_call_and_the_models_score_it_in_the_ingress_process(
     stats = ingress.feature_stats.remote().result()
     assert stats["calls"] - before["calls"] == 4  # three decisions and one batch of five: four matrices
     assert stats["rows"] - before["rows"] == 8
-    pid = _serving_pid(spec)
+    pid = serving_pid(spec)
     for name in MODELS:
         status = ingress.model_status.remote(name).result()
         assert status.placement == "ingress"
@@ -176,7 +152,7 @@ def test_models_in_their_own_deployments_read_one_buffer_the_ingress_shared(
     stats = ingress.feature_stats.remote().result()
     assert stats["calls"] - before == 4
     statuses = {name: ingress.model_status.remote(name).result() for name in MODELS}
-    pid = _serving_pid(shared_spec)
+    pid = serving_pid(shared_spec)
     for name, status in statuses.items():
         assert status.placement == "deployment"
         assert status.calls - calls_before[name] == 4  # counted in the model deployment's replica

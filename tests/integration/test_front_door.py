@@ -52,10 +52,7 @@ def _requests(count: int, seed: int = 3) -> list[pb.DecideRequest]:
     transactions = generate_transactions(count, seed=seed)
     out = []
     for i in range(count):
-        row = transactions.row(i)
-        numeric = {k: float(v) for k, v in row.items() if isinstance(v, float)}
-        categorical = {k: str(row[k]) for k in ("merchant_category", "channel")}
-        out.append(pb.DecideRequest(request_id=f"r{i}", numeric=numeric, categorical=categorical))
+        out.append(pb.DecideRequest(request_id=f"r{i}", **transactions.request_fields(i, text=False)))
     return out
 
 

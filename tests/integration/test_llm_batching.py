@@ -24,15 +24,7 @@ def _requests(count: int) -> list[pb.DecideRequest]:
     transactions = generate_transactions(count, seed=11)
     out = []
     for i in range(count):
-        row = transactions.row(i)
-        out.append(
-            pb.DecideRequest(
-                request_id=f"b{i}",
-                numeric={k: float(v) for k, v in row.items() if isinstance(v, float)},
-                categorical={k: str(row[k]) for k in ("merchant_category", "channel")},
-                text=str(row["text"]),
-            )
-        )
+        out.append(pb.DecideRequest(request_id=f"b{i}", **transactions.request_fields(i, text=True)))
     return out
 
 

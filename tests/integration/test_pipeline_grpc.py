@@ -9,7 +9,6 @@ pipeline places every stage in a deployment to show the models reading one share
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 from riskserve.platform.artifacts import open_artifact
 from riskserve.wrappers.sklearn_model import SklearnModel, SklearnSettings
 
-from .conftest import ServeCluster, channel, deploy, endpoint, pipeline_on
+from .conftest import ServeCluster, channel, deploy, endpoint, pipeline_on, serving_pid
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -104,29 +103,6 @@ def _status(app: str, model: str) -> Any:
     return _ingress(app).model_status.remote(model).result()
 
 
-def _serving_pid(spec: PipelineSpec) -> int:
-    """The one process listening on the pipeline's gRPC port (its ingress replica), found by the kernel's
-    socket table, not by asking riskserve."""
-    port = int(endpoint(spec).rsplit(":", 1)[1])
-    sockets = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
-                sockets.add(f"socket:[{fields[9]}]")
-    pids = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
-                pids.add(int(proc.name))
-        except OSError:  # gone, or not ours
-            continue
-    assert len(pids) == 1, f"expected one process listening on {port}, found {pids}"
-    return pids.pop()
-
-
 def test_a_decision_carries_every_model_with_its_artifact_version(
     stubs: dict[str, pb_grpc.RiskPipelineStub], demo_models: Path
 ) -> None:
@@ -158,7 +134,7 @@ def test_the_tabular_models_run_in_the_ingress_and_the_llm_in_a_deployment_of_it
     assert set(applications["tabular_only"].deployments) == {"ingress"}
     for name, spec in pipelines.items():
         assert set(applications[name].deployments) == set(deployment_names(spec).values())
-    ingress_pid = _serving_pid(pipelines["card_fraud"])
+    ingress_pid = serving_pid(pipelines["card_fraud"])
     for name, kind in (("credit", "treelite"), ("fraud", "sklearn")):
         status = _status("card_fraud", name)
         assert (status.name, status.kind, status.placement) == (name, kind, "ingress")
@@ -170,7 +146,7 @@ def test_the_tabular_models_run_in_the_ingress_and_the_llm_in_a_deployment_of_it
     assert intent.pid != ingress_pid
     assert intent == _model("card_fraud", "intent").metadata.remote().result()  # the same typed status
     for name in ("credit", "fraud"):
-        assert _status("tabular_only", name).pid == _serving_pid(pipelines["tabular_only"]) != ingress_pid
+        assert _status("tabular_only", name).pid == serving_pid(pipelines["tabular_only"]) != ingress_pid
 
 
 def test_scores_equal_the_models_run_locally_and_the_rules_are_applied(
@@ -286,7 +262,7 @@ def test_models_in_their_own_deployments_read_the_feature_stages_shared_buffer(a
     )
     pids = {_model("tabular_apart", n).metadata.remote().result().pid for n in ("credit", "fraud")}
     assert len(pids) == 2, "the two models are separate processes sharing one buffer"
-    assert _serving_pid(apart) not in pids
+    assert serving_pid(apart) not in pids
 
 
 def test_decide_batch_keeps_order_and_equals_single_decisions(

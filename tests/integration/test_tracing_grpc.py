@@ -8,7 +8,6 @@ trace still is one, continued across four processes.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from riskserve.pipelines.client import RiskClient
 from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 
-from .conftest import ServeCluster, deploy, endpoint, pipeline_on
+from .conftest import ServeCluster, deploy, endpoint, pipeline_on, serving_pid
 
 pytestmark = pytest.mark.slow
 
@@ -37,29 +36,6 @@ def _spans(path: Path, trace_id: str, expected: int) -> list[dict[str, object]]:
         if len(spans) >= expected or time.monotonic() > deadline:
             return spans
         time.sleep(0.2)
-
-
-def _serving_pid(spec: PipelineSpec) -> int:
-    """The one process listening on the pipeline's gRPC port (its ingress replica), found by the kernel's
-    socket table, not by asking riskserve."""
-    port = int(endpoint(spec).rsplit(":", 1)[1])
-    sockets = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
-                sockets.add(f"socket:[{fields[9]}]")
-    pids = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
-                pids.add(int(proc.name))
-        except OSError:  # gone, or not ours
-            continue
-    assert len(pids) == 1, f"expected one process listening on {port}, found {pids}"
-    return pids.pop()
 
 
 def _every_stage_in_a_deployment(spec: PipelineSpec) -> PipelineSpec:
@@ -121,7 +97,7 @@ def test_a_decision_is_one_trace_continuing_the_callers_traceparent(
     assert set(predicts) == {models["credit"]["span_id"], models["fraud"]["span_id"]}
 
     pid_of = {str(s["name"]): s["resource"]["process.pid"] for s in spans}  # type: ignore[index]
-    ingress = _serving_pid(spec)
+    ingress = serving_pid(spec)
     assert pid_of["riskserve.decide"] == pid_of["riskserve.decision"] == ingress
     pids = {s["resource"]["process.pid"] for s in spans}  # type: ignore[index]
     if placement == "ingress":
