@@ -349,9 +349,10 @@ def _run_cluster(out: Path) -> None:
         serve.start(proxy_location="Disabled")
         handle = serve.run(_probe_app(spec), name=APP, route_prefix=None)
         timings["deployed_s"] = time.monotonic() - start
+        # Read before any call: the probe's calls reach credit, whose autoscaler may then add replicas.
+        available = ray.available_resources()
         expected = {"features": 1, "ingress": 1, "credit": 1, "fraud": 1, "intent": 2}
         placements = _placements(handle, expected, time.monotonic() + 20)
-        available = ray.available_resources()
 
         # A third half-GPU share of the gpu pool: the same options, but the one GPU is taken.
         @ray.remote
