@@ -88,7 +88,8 @@ class RiskClient:
     ) -> Any:
         """Call with a gRPC deadline and the same budget in ``riskserve-timeout-ms`` metadata.
 
-        Ray's proxy does not pass the gRPC deadline on; this is how the server bounds the decision by it.
+        The server honours the gRPC deadline itself; the metadata carries the same budget for proxies
+        in between that drop deadlines.
         """
         timeout = timeout_s or self.timeout_s
         budget = (("riskserve-timeout-ms", f"{timeout * 1e3:.0f}"),)

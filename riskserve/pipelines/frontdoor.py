@@ -23,11 +23,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from riskserve.pipelines.grpc_status import status_of
+from riskserve.pipelines.grpc_status import set_status
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.pipelines.spec import FrontDoorSpec
-from riskserve.platform.errors import DeadlineExceeded, InvalidInput, NotFound, Overloaded
+from riskserve.platform.errors import DeadlineExceeded, InvalidInput, ModelUnavailable, NotFound, Overloaded
 from riskserve.platform.metrics import PipelineMetrics
 from riskserve.platform.tracing import (
     SPAN_DECIDE,
@@ -157,9 +157,7 @@ class _Service(pb_grpc.RiskPipelineServicer):
             self._pipeline.metrics.invalid(cause.field or "request")
         if span is not None:
             mark_error(error, span)
-        code, details = status_of(error)
-        context.set_code(code)
-        context.set_details(details)
+        set_status(context, error)
 
     async def _decide(self, requests: Sequence[pb.DecideRequest], context: Any, method: str) -> Any:
         metadata = _metadata(context)
@@ -236,8 +234,6 @@ class FrontDoor:
         Raises:
             ModelUnavailable: the address cannot be bound (in use by something that is not a replica).
         """
-        from riskserve.platform.errors import ModelUnavailable
-
         options = [
             ("grpc.so_reuseport", 1),
             ("grpc.max_receive_message_length", self._settings.max_receive_message_bytes),

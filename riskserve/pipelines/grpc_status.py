@@ -39,7 +39,7 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def set_status(context: Any, error: BaseException) -> None:
-    """Set ``error``'s status on a Ray Serve gRPC context (the caller then returns an empty response)."""
+    """Set ``error``'s status on a gRPC servicer context (the caller then returns an empty response)."""
     code, details = status_of(error)
     context.set_code(code)
     context.set_details(details)

@@ -543,6 +543,8 @@ class ModelMetrics:
         """``model``: the pipeline's model name; ``kind``: its backend (``sklearn``, ``treelite``, ...)."""
         self.model = model
         self.kind = kind
+        self._call_series: dict[str, tuple[_Tags, _Tags, _Tags]] = {}
+        """Per version, the three series one answered call records into (built once per version)."""
 
     def __repr__(self) -> str:
         return f"ModelMetrics(model={self.model!r}, kind={self.kind!r})"
@@ -563,7 +565,7 @@ class ModelMetrics:
         registry = _registry()
         if version and version != registry.versions.get((self.model, self.kind), ""):
             self.set_version(version)
-        cache: dict[str, tuple[_Tags, _Tags, _Tags]] = self.__dict__.setdefault("_call_series", {})
+        cache = self._call_series
         series = cache.get(version)
         if series is None:  # built once per version: a call records three series
             if len(cache) > _MAX_RETIRED_VERSIONS + 1:

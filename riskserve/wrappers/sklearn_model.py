@@ -423,17 +423,12 @@ def load_sklearn_artifact(path: Path | str) -> tuple[Artifact, LinearSnapshot]:
     if snapshot.version != artifact.version:
         raise ModelLoadError(f"{artifact.root}: {PARAMS_FILE} is not in canonical form")
     if GOLDEN_FILE in artifact.manifest.files:
-        _check_golden(artifact, snapshot)
-    check_direct_scoring(snapshot, _probe_rows(artifact, snapshot))
+        probe = _check_golden(artifact, snapshot)
+    else:  # no golden set: rows around the scaler's mean
+        offsets = np.array([-2.0, -0.5, 0.0, 0.5, 2.0])[:, None]
+        probe = np.ascontiguousarray(snapshot.mean + offsets * snapshot.scale, dtype=np.float32)
+    check_direct_scoring(snapshot, probe)
     return artifact, snapshot
-
-
-def _probe_rows(artifact: Artifact, snapshot: LinearSnapshot) -> NDArray[np.float32]:
-    """The golden rows, or (without a golden set) rows around the scaler's mean."""
-    if GOLDEN_FILE in artifact.manifest.files:
-        return np.ascontiguousarray(artifact.read_json(GOLDEN_FILE)["x"], dtype=np.float32)
-    offsets = np.array([-2.0, -0.5, 0.0, 0.5, 2.0])[:, None]
-    return np.ascontiguousarray(snapshot.mean + offsets * snapshot.scale, dtype=np.float32)
 
 
 def check_direct_scoring(snapshot: LinearSnapshot, rows: NDArray[np.float32]) -> float:
@@ -451,7 +446,8 @@ def check_direct_scoring(snapshot: LinearSnapshot, rows: NDArray[np.float32]) ->
     return diff
 
 
-def _check_golden(artifact: Artifact, snapshot: LinearSnapshot) -> None:
+def _check_golden(artifact: Artifact, snapshot: LinearSnapshot) -> NDArray[np.float32]:
+    """Check the stored golden outputs; returns the golden rows (the direct-scoring check reuses them)."""
     golden = artifact.read_json(GOLDEN_FILE)
     try:
         x = np.ascontiguousarray(golden["x"], dtype=np.float32)
@@ -464,6 +460,7 @@ def _check_golden(artifact: Artifact, snapshot: LinearSnapshot) -> None:
     diff = float(np.max(np.abs(actual - expected)))
     if not diff <= _GOLDEN_TOLERANCE:
         raise ModelLoadError(f"{artifact.root}: golden-set outputs differ from the stored ones by {diff:.3g}")
+    return x
 
 
 def save_sklearn_artifact(
