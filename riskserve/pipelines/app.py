@@ -25,6 +25,7 @@ from riskserve.features.stage import FeatureStage
 from riskserve.learning.service import FeedbackService
 from riskserve.pipelines.endpoints import with_endpoint
 from riskserve.pipelines.ingress import PipelineIngress
+from riskserve.pipelines.model_lane import LanedModelReplica
 from riskserve.pipelines.pools import actor_options, check_pools, ingress_cpus
 from riskserve.pipelines.spec import PipelineSpec, StageSpec, load_pipeline
 from riskserve.platform.replica import ModelReplica
@@ -129,7 +130,8 @@ def build_application(
         max_ongoing = model.max_ongoing_requests
         if model.batching is not None:  # Serve wants room for a whole batch of calls per replica
             max_ongoing = max(max_ongoing, model.batching.max_batch_size)
-        deployment = serve.deployment()(ModelReplica).options(
+        replica_class = LanedModelReplica if spec.serving.model_lanes else ModelReplica
+        deployment = serve.deployment()(replica_class).options(
             name=names[name],
             logging_config=_logging(spec),
             num_replicas=model.replicas,
@@ -143,8 +145,10 @@ def build_application(
         columns = None if model.reads_text else matrix_columns
         declared = None if model.reads_text else spec.model_columns(name)
         args = (name, model.kind, dict(model.settings), columns, declared, data["tracing"], batching)
-        versioned = _versioned(deployment, _version(names[name], args))
-        models[name] = versioned.options(user_config={"artifact": str(artifact)}).bind(*args)
+        lane = {"lane": {"ongoing": max_ongoing, "queued": model.max_queued_requests}}
+        lane = lane if spec.serving.model_lanes else {}
+        versioned = _versioned(deployment, _version(names[name], args, lane))
+        models[name] = versioned.options(user_config={"artifact": str(artifact)}).bind(*args, **lane)
     feedback = None
     if spec.feedback is not None:
         feedback = _stage(FeedbackService, names["feedback"], spec, spec.feedback.stage, data).bind(data)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,10 +22,11 @@ import ray
 from ray.serve.exceptions import BackPressureError
 
 from riskserve.features.stage import StageResult
+from riskserve.pipelines.model_lane import LaneDown, Lanes
 from riskserve.pipelines.rules import ModelResult
 from riskserve.pipelines.spec import ModelSpec
 from riskserve.platform.breaker import BreakerSettings, CircuitBreaker
-from riskserve.platform.errors import DeadlineExceeded, InlineBusy, InvalidInput
+from riskserve.platform.errors import DeadlineExceeded, InlineBusy, InvalidInput, Overloaded
 from riskserve.platform.metrics import FallbackReason, ModelMetrics
 from riskserve.platform.runner import ModelAnswer, ModelRunner
 from riskserve.platform.shared_matrix import SharedMatrix
@@ -120,12 +122,19 @@ class MatrixSharer:
 
 
 class RemoteEndpoint:
-    """A model in its own Serve deployment: one handle call per batch."""
+    """A model in its own Serve deployment: one call per batch, through a replica's loopback lane when one
+    runs on this node (:mod:`~riskserve.pipelines.model_lane`), else through the Serve handle."""
 
-    def __init__(self, handle: Any, reads_text: bool, sharer: MatrixSharer) -> None:
+    def __init__(
+        self, handle: Any, reads_text: bool, sharer: MatrixSharer, lanes: Lanes | None = None
+    ) -> None:
         self._handle = handle
         self._reads_text = reads_text
         self._sharer = sharer
+        self.lanes = lanes
+        self.lane_calls = 0
+        """Calls a lane answered (the rest went through the handle: :attr:`handle_calls`)."""
+        self.handle_calls = 0
 
     def runs_now(self, rows: int) -> bool:
         return False
@@ -134,16 +143,29 @@ class RemoteEndpoint:
         raise InlineBusy("a remote model is never called inline")
 
     async def predict(self, stage: StageResult, trace: dict[str, str]) -> ModelAnswer:
+        lanes = self.lanes
         if self._reads_text:
             texts = [text for text in stage.texts if text.strip()]
+            if lanes is not None:
+                with contextlib.suppress(LaneDown):  # no lane took it: the handle does
+                    return self._by_lane(await lanes.predict_texts(texts, trace))
             call = self._handle.predict_texts.remote(texts, trace=trace)
         else:
-            call = self._handle.predict_features.remote(self._sharer.shared(stage), trace=trace)
+            matrix = self._sharer.shared(stage)
+            if lanes is not None and not isinstance(matrix, SharedMatrix):
+                with contextlib.suppress(LaneDown):
+                    return self._by_lane(await lanes.predict_features(matrix, trace))
+            call = self._handle.predict_features.remote(matrix, trace=trace)
+        self.handle_calls += 1
         try:
             answer: ModelAnswer = await call
         except asyncio.CancelledError:
             call.cancel()
             raise
+        return answer
+
+    def _by_lane(self, answer: ModelAnswer) -> ModelAnswer:
+        self.lane_calls += 1
         return answer
 
     def cancel(self) -> None:
@@ -265,7 +287,7 @@ class GuardedModel:
             raise
         except Exception as error:
             cause = getattr(error, "cause", error)
-            if isinstance(error, BackPressureError) or isinstance(cause, BackPressureError):
+            if isinstance(cause, (BackPressureError, Overloaded)) or isinstance(error, BackPressureError):
                 permit.ignore()  # our queue limit, not the model's health
                 return self._fallback(stage, "OVERLOADED", started)
             if isinstance(cause, InvalidInput):

@@ -21,6 +21,7 @@ from riskserve.pipelines.flow import DecisionFlow
 from riskserve.pipelines.frontdoor import Admission, FrontDoor
 from riskserve.pipelines.guarded_call import GuardedModel, LocalEndpoint, MatrixSharer, RemoteEndpoint
 from riskserve.pipelines.messages import describe_response
+from riskserve.pipelines.model_lane import Lanes, LaneUse
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import InvalidInput, ModelUnavailable, NotFound, RiskServeError
@@ -53,6 +54,7 @@ class PipelineIngress:
         columns = self._spec.features.column_names()
         self._runners: dict[str, ModelRunner] = {}
         self._remote: dict[str, Any] = dict(models)
+        self._lanes: dict[str, Lanes] = {}
         sharer = MatrixSharer(serving.by_value_rows, serving.matrix_retain_s)
         self._sharer = sharer
         guarded: dict[str, GuardedModel] = {}
@@ -65,7 +67,11 @@ class PipelineIngress:
                 self._runners[name] = runner
                 endpoint: Any = LocalEndpoint(runner, serving.inline_rows)
             else:
-                endpoint = RemoteEndpoint(models[name], model.reads_text, sharer)
+                handle = models[name]
+                lanes = Lanes(handle.app_name, handle.deployment_name) if serving.model_lanes else None
+                if lanes is not None:
+                    self._lanes[name] = lanes
+                endpoint = RemoteEndpoint(handle, model.reads_text, sharer, lanes)
             guarded[name] = GuardedModel.build(name, model, endpoint)
         self._feedback = feedback
         recorder = None
@@ -148,6 +154,11 @@ class PipelineIngress:
     async def _probe_remote(self) -> None:
         if not self._remote:
             return
+        for name, lanes in self._lanes.items():
+            try:
+                await lanes.refresh()
+            except Exception:
+                logger.warning("could not refresh the lanes of model '%s'", name, exc_info=True)
         try:
             statuses = await asyncio.wait_for(
                 asyncio.gather(*(handle.metadata.remote() for handle in self._remote.values())),
@@ -256,6 +267,16 @@ class PipelineIngress:
         status["decisions_buffered"] = recorder.buffered if recorder else 0
         status["decisions_dropped"] = recorder.dropped if recorder else 0
         return status
+
+    def lane_use(self) -> dict[str, LaneUse]:
+        """Per model in its own deployment: the lanes this replica holds and the calls each path took."""
+        uses = {}
+        for name, model in self._flow.models.items():
+            endpoint = model.endpoint
+            if isinstance(endpoint, RemoteEndpoint):
+                lanes = len(endpoint.lanes) if endpoint.lanes is not None else 0
+                uses[name] = LaneUse(lanes, endpoint.lane_calls, endpoint.handle_calls)
+        return uses
 
     def breaker_states(self) -> dict[str, str]:
         """Each model's breaker state in this ingress replica."""

@@ -300,6 +300,10 @@ class ServingSpec(_Strict):
     (``bench/crossover.py``): by value is never slower up to 16,384 rows (Ray moves an argument over
     100 KiB through shared memory itself) and a ``ray.put`` in a replica costs 1-1.7 ms, so the store pays
     only when several remote models read one large matrix (from about 2,500 rows)."""
+    model_lanes: bool = True
+    """Call a model in its own deployment through its replicas' loopback gRPC lanes when they run on the
+    ingress's node (about 0.5 ms a call instead of a Serve handle's 6 ms here; see
+    ``riskserve/pipelines/model_lane.py``); off, or for replicas on other nodes, through the handle."""
     decision_timeout_ms: float = Field(default=5000, gt=0, le=600_000)
     """Longest a decision may take when the caller sets no shorter deadline (``riskserve-timeout-ms``
     metadata, which RiskClient sends from its gRPC timeout); past it the call is DEADLINE_EXCEEDED."""

@@ -37,7 +37,7 @@ PROTO_ROOT = Path(__file__).resolve().parent
 PYTHON_PACKAGE = "riskserve.pipelines.proto"
 """The importable Python package that ``PROTO_ROOT`` is."""
 
-PROTOS: tuple[str, ...] = ("riskserve/v1/risk_pipeline.proto",)
+PROTOS: tuple[str, ...] = ("riskserve/v1/risk_pipeline.proto", "riskserve/internal/v1/model_lane.proto")
 
 GENERATED_SUFFIXES: tuple[str, ...] = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 

@@ -1,0 +1,183 @@
+"""Models in deployments of their own are called through their replicas' loopback lanes, not Serve hops:
+same answers as through the handle, loopback only, token-checked, and a killed replica's lane is dropped
+while the decisions go on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from riskserve.demo.dataset import generate_transactions
+from riskserve.pipelines.model_lane import KV_NAMESPACE, TOKEN_HEADER, LaneAddress, LaneUse
+from riskserve.pipelines.proto.riskserve.internal.v1 import model_lane_pb2 as lane_pb
+from riskserve.pipelines.proto.riskserve.internal.v1 import model_lane_pb2_grpc as lane_grpc
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+
+from .conftest import ServeCluster, channel, deploy, pipeline_on
+
+pytestmark = pytest.mark.slow
+
+FRAUD_REPLICAS = 2
+
+
+def _spec(models: Path, name: str, lanes: bool) -> PipelineSpec:
+    """tabular_only with the fraud model in a deployment of its own (two replicas)."""
+    data = pipeline_on("tabular_only.yaml", models, name=name).resolved()
+    data["serving"]["model_lanes"] = lanes
+    data["models"]["fraud"] |= {"placement": "deployment", "replicas": FRAUD_REPLICAS}
+    return parse_pipeline(data, source=name)
+
+
+@pytest.fixture(scope="module")
+def specs(serve_cluster: ServeCluster, demo_models: Path) -> dict[str, PipelineSpec]:
+    laned, handled = _spec(demo_models, "lanes_on", True), _spec(demo_models, "lanes_off", False)
+    for spec in (laned, handled):
+        deploy(spec)
+    _wait_for_lanes(laned, FRAUD_REPLICAS)
+    return {"on": laned, "off": handled}
+
+
+def _ingress(app: str) -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle("ingress", app_name=app)
+
+
+def _use(spec: PipelineSpec) -> LaneUse:
+    use: LaneUse = _ingress(spec.name).lane_use.remote().result()["fraud"]
+    return use
+
+
+def _wait_for_lanes(spec: PipelineSpec, count: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _use(spec).lanes != count:
+        assert time.monotonic() < deadline, f"{spec.name}: {_use(spec)} after {timeout_s} s"
+        time.sleep(0.25)
+
+
+def _announced(spec: PipelineSpec) -> list[LaneAddress]:
+    """What Ray's key-value store holds for the fraud deployment's lanes, read directly."""
+    from ray.experimental import internal_kv
+
+    prefix = f"lane/{spec.name}/model-fraud/"
+    keys = internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)
+    values = [internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE) for key in keys]
+    return [LaneAddress.model_validate_json(value) for value in values if value is not None]
+
+
+def _requests(count: int, seed: int) -> Iterator[pb.DecideRequest]:
+    tx = generate_transactions(count, seed=seed)
+    for i in range(count):
+        row = tx.row(i)
+        yield pb.DecideRequest(
+            request_id=f"lane-{seed}-{i}",
+            numeric={k: float(v) for k, v in row.items() if isinstance(v, float)},
+            categorical={k: str(row[k]) for k in ("merchant_category", "channel")},
+        )
+
+
+def test_the_lane_answers_what_the_handle_answers_and_takes_every_call(
+    specs: dict[str, PipelineSpec],
+) -> None:
+    laned, handled = specs["on"], specs["off"]
+    before_on, before_off = _use(laned), _use(handled)
+    assert before_off.lanes == 0
+    with channel(laned) as on_channel, channel(handled) as off_channel:
+        on_stub = pb_grpc.RiskPipelineStub(on_channel)  # type: ignore[no-untyped-call]
+        off_stub = pb_grpc.RiskPipelineStub(off_channel)  # type: ignore[no-untyped-call]
+        for request in _requests(20, seed=5):
+            by_lane = on_stub.Decide(request, metadata=(("application", laned.name),), timeout=30)
+            by_handle = off_stub.Decide(request, metadata=(("application", handled.name),), timeout=30)
+            fraud_lane = {s.model: s for s in by_lane.models}["fraud"]
+            fraud_handle = {s.model: s for s in by_handle.models}["fraud"]
+            assert not fraud_lane.fallback
+            assert not fraud_handle.fallback
+            assert (fraud_lane.score, fraud_lane.version) == (fraud_handle.score, fraud_handle.version)
+            assert (by_lane.decision, by_lane.risk_score) == (by_handle.decision, by_handle.risk_score)
+    after_on, after_off = _use(laned), _use(handled)
+    assert (after_on.lane_calls - before_on.lane_calls, after_on.handle_calls - before_on.handle_calls) == (
+        20,
+        0,
+    )
+    assert (after_off.lane_calls, after_off.handle_calls - before_off.handle_calls) == (0, 20)
+
+
+def test_a_lane_listens_on_loopback_and_refuses_a_call_without_its_token(
+    specs: dict[str, PipelineSpec],
+) -> None:
+    lanes = _announced(specs["on"])
+    assert len(lanes) == FRAUD_REPLICAS
+    listening = _listening_addresses()
+    matrix = lane_pb.FeaturesCall(rows=1, columns=1, values=b"\x00\x00\x00\x00")
+    for lane in lanes:
+        assert lane.host == "127.0.0.1"
+        assert ("127.0.0.1", lane.port) in listening
+        assert ("0.0.0.0", lane.port) not in listening
+        assert (f"[{'0' * 32}]", lane.port) not in listening  # [::], every interface
+        with grpc.insecure_channel(lane.target) as chan:
+            stub = lane_grpc.ModelLaneStub(chan)  # type: ignore[no-untyped-call]
+            for metadata in ((), ((TOKEN_HEADER, "not-" + lane.token),)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.PredictFeatures(matrix, metadata=metadata, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            # With the token, the model's own verdict: one column is not what the fraud model reads.
+            with pytest.raises(grpc.RpcError) as wrong_shape:
+                stub.PredictFeatures(matrix, metadata=((TOKEN_HEADER, lane.token),), timeout=10)
+            assert wrong_shape.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_killed_replicas_lane_is_dropped_and_no_decision_fails(specs: dict[str, PipelineSpec]) -> None:
+    spec = specs["on"]
+    lanes = _announced(spec)
+    victim = lanes[0]
+    os.kill(victim.pid, signal.SIGKILL)  # fault injected: a model replica dies without withdrawing its lane
+    outcomes: dict[str, int] = {}
+    deadline = time.monotonic() + 90
+    with channel(spec) as chan:
+        stub = pb_grpc.RiskPipelineStub(chan)  # type: ignore[no-untyped-call]
+        for sent, request in enumerate(_requests(5000, seed=9)):
+            answer = stub.Decide(request, metadata=(("application", spec.name),), timeout=30)
+            fraud = {s.model: s for s in answer.models}["fraud"]
+            key = fraud.fallback_reason if fraud.fallback else "scored"
+            outcomes[key] = outcomes.get(key, 0) + 1
+            if sent % 20 == 19:
+                replicas = {lane.replica for lane in _announced(spec)}
+                if victim.replica not in replicas and len(replicas) == FRAUD_REPLICAS:
+                    break  # the dead lane is forgotten and Serve's replacement announced its own
+            assert time.monotonic() < deadline, f"no replacement lane after 90 s: {outcomes}"
+            time.sleep(0.01)
+    assert outcomes["scored"] > 0
+    # The other replica's lane takes the calls once the dead lane is put aside: fallbacks only from calls
+    # the handle routed to the dead replica before Serve noticed, never a failed decision.
+    assert sum(outcomes.values()) - outcomes["scored"] <= 5, outcomes
+    _wait_for_lanes(spec, FRAUD_REPLICAS)
+    assert victim.pid not in {lane.pid for lane in _announced(spec)}
+
+
+def _listening_addresses() -> set[tuple[str, int]]:
+    """(ip, port) of every listening TCP socket, from the kernel's tables; an IPv4-mapped IPv6 address
+    (gRPC binds 127.0.0.1 on an IPv6 socket) reads as its IPv4 address, other IPv6 ones as ``[hex]``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # LISTEN
+                continue
+            ip_hex, port_hex = fields[1].split(":")
+            if len(ip_hex) == 32 and ip_hex[:24] == "0000000000000000FFFF0000":
+                ip_hex = ip_hex[24:]
+            if len(ip_hex) == 8:
+                ip = ".".join(str(int(ip_hex[i : i + 2], 16)) for i in (6, 4, 2, 0))
+            else:
+                ip = f"[{ip_hex}]"
+            found.add((ip, int(port_hex, 16)))
+    return found
