@@ -6,6 +6,8 @@ Systems (``--systems``, in this order):
   * ``tabular_only``: ``riskserve up deploy/pipelines/tabular_only.yaml --grpc-port P``;
   * ``card_fraud``: the same with the vLLM intent model (requests carry text; the engine takes minutes to
     start on CPU, up to 10 are allowed);
+  * ``card_fraud_batched``: ``card_fraud`` with adaptive batching on the intent model
+    (``batching: {max_batch_size: 8, max_wait_ms: 2}``);
   * ``vllm_bare``: vLLM's own ``generate`` for the same intent prompts in one process, no gRPC: what
     riskserve asks of the engine (one greedy token, log-probabilities of the label tokens), timed directly.
 
@@ -53,9 +55,13 @@ from bench._procs import TreeSample, cpu_delta, descendants, rss_bytes, sample_t
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 PIPELINES = ROOT / "deploy" / "pipelines"
-SYSTEMS = ("floor", "tabular_only", "card_fraud", "vllm_bare")
-GRPC_SYSTEMS = ("floor", "tabular_only", "card_fraud")
-LLM_SYSTEMS = ("card_fraud",)
+SYSTEMS = ("floor", "tabular_only", "card_fraud", "card_fraud_batched", "vllm_bare")
+GRPC_SYSTEMS = ("floor", "tabular_only", "card_fraud", "card_fraud_batched")
+LLM_SYSTEMS = ("card_fraud", "card_fraud_batched")
+VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
+    "card_fraud_batched": ("card_fraud", {"intent": {"batching": {"max_batch_size": 8, "max_wait_ms": 2}}}),
+}
+"""A system that is a shipped pipeline with some models' settings changed: (pipeline, model -> fields)."""
 TABULAR_START_S = 300.0
 LLM_START_S = 600.0
 
@@ -179,7 +185,10 @@ def pipeline_copy(name: str, models: Path, run_dir: Path) -> Path:
     learned versions) under ``run_dir``, written to ``run_dir``."""
     import yaml
 
-    data = yaml.safe_load((PIPELINES / f"{name}.yaml").read_text())
+    pipeline, changes = VARIANTS.get(name, (name, {}))
+    data = yaml.safe_load((PIPELINES / f"{pipeline}.yaml").read_text())
+    for model_name, fields in changes.items():
+        data["models"][model_name].update(fields)
     for model_name, model in data["models"].items():
         model["artifact"] = str((models / model_name).resolve())
         if model.get("online", {}).get("artifact_dir"):
@@ -242,8 +251,9 @@ def start_riskserve(name: str, models: Path, run_dir: Path) -> Running:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(state.pid, signal.SIGKILL)
 
+    application = VARIANTS.get(name, (name, {}))[0]
     return Running(
-        name, name, state.target, state.pid, name in LLM_SYSTEMS, stop, time.perf_counter() - started
+        name, application, state.target, state.pid, name in LLM_SYSTEMS, stop, time.perf_counter() - started
     )
 
 
@@ -578,7 +588,7 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, float]]:
 def print_report(results: dict[str, Any], table: dict[str, dict[str, float]], plan: Plan) -> None:
     """The summary table, ratios to the floor, open-loop lines and the LLM's share."""
     print(
-        f"\n{'system':<13} | {'c=1 p50':>8} {'p99':>7} | {'c=8 dec/s':>9} {'p50':>7} {'p99':>7} | "
+        f"\n{'system':<18} | {'c=1 p50':>8} {'p99':>7} | {'c=8 dec/s':>9} {'p50':>7} {'p99':>7} | "
         f"{'CPU-ms/dec':>10} {'RSS MB':>7} | {f'batch{plan.batch_rows} ms':>12} | errors"
     )
     for name in GRPC_SYSTEMS:
@@ -586,22 +596,22 @@ def print_report(results: dict[str, Any], table: dict[str, dict[str, float]], pl
         if not r:
             continue
         if "error" in r:
-            print(f"{name:<13} | failed: {r['error'].splitlines()[0][:90]}")
+            print(f"{name:<18} | failed: {r['error'].splitlines()[0][:90]}")
             continue
         c1, c8, b = r["c1"]["latency_ms"], r["c8"], r["batch"]
         errors = sum(x["error_count"] for x in (r["c1"], r["c8"], r["batch"]))
         print(
-            f"{name:<13} | {c1['p50']:>8.2f} {c1['p99']:>7.2f} | {c8['decisions_per_s']:>9.0f} "
+            f"{name:<18} | {c1['p50']:>8.2f} {c1['p99']:>7.2f} | {c8['decisions_per_s']:>9.0f} "
             f"{c8['latency_ms']['p50']:>7.2f} {c8['latency_ms']['p99']:>7.2f} | "
             f"{c8['server']['cpu_ms_per_decision']:>10.3f} {c8['server']['rss_mb']:>7.0f} | "
             f"{b['latency_ms']['p50']:>12.1f} | {errors}"
         )
     if table:
         print("\nratio to the floor (latency, CPU: x slower/costlier; throughput: x of the floor's)")
-        print(f"{'system':<13} | {'p50 c=1':>8} {'p99 c=1':>8} {'dec/s c=8':>10} {'CPU/dec':>8} {'batch':>7}")
+        print(f"{'system':<18} | {'p50 c=1':>8} {'p99 c=1':>8} {'dec/s c=8':>10} {'CPU/dec':>8} {'batch':>7}")
         for name, row in table.items():
             print(
-                f"{name:<13} | {row['p50_c1']:>7.1f}x {row['p99_c1']:>7.1f}x {row['throughput_c8']:>9.2f}x "
+                f"{name:<18} | {row['p50_c1']:>7.1f}x {row['p99_c1']:>7.1f}x {row['throughput_c8']:>9.2f}x "
                 f"{row['cpu_per_decision']:>7.1f}x {row['batch']:>6.1f}x"
             )
     print("\nopen loop (offered/s -> answered/s, p50 / p99 ms, errors, fallbacks)")
@@ -609,7 +619,7 @@ def print_report(results: dict[str, Any], table: dict[str, dict[str, float]], pl
         r = results.get(name)
         for point in (r or {}).get("open", []):
             print(
-                f"  {name:<13} {point['offered_rate']:>6g}/s -> {point['decisions_per_s']:>7.1f}/s  "
+                f"  {name:<18} {point['offered_rate']:>6g}/s -> {point['decisions_per_s']:>7.1f}/s  "
                 f"{point['latency_ms']['p50']:>8.2f} / {point['latency_ms']['p99']:>8.2f}  "
                 f"{point['error_count']:>5}  {point['fallback_count']:>5}"
             )

@@ -76,6 +76,11 @@ class EngineDriver:
         self._inbox.put(batch)
         return await asyncio.wrap_future(batch.future)
 
+    @property
+    def in_flight(self) -> int:
+        """Requests the engine holds for callers now (0 once every call ended, cancelled ones too)."""
+        return len(self._live)
+
     def _abort_if_cancelled(self, batch: _Batch) -> None:
         if batch.future.cancelled():
             self._inbox.put(_Abort(batch))

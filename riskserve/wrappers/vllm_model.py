@@ -267,6 +267,7 @@ class VLLMModel(BaseModel[Sequence[str], VLLMSettings]):
         engine = self._engine
         if engine is not None:
             facts |= {
+                "requests_in_engine": engine.driver.in_flight,
                 "engine_started_at": engine.started_at,
                 "engine_start_seconds": round(engine.start_seconds, 3),
                 "vllm_version": engine.vllm_version,

@@ -1,13 +1,15 @@
 """The vLLM backend end to end on a real engine: the demo intent LLM, built here, served through ModelHost.
 
-One engine serves the whole module (starting one takes ~10 s on CPU); it lives on one event loop that
-every test drives, because vLLM's async engine is bound to the loop it first served on.
+One engine serves the whole module (starting one takes ~10 s on CPU), driven by its own thread; the tests
+share one event loop to call it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
+import os
 import shutil
 import sys
 from collections.abc import Coroutine, Iterator
@@ -122,6 +124,46 @@ def test_concurrent_batches_match_sequential(served: Served) -> None:
         # Batch composition changes the matmul shapes, so float32 sums may differ in the last bits.
         np.testing.assert_allclose(a.scores, b.scores, rtol=0, atol=1e-5)
     assert served.model.details()["engine_started_at"] == started_at  # the same engine served all of it
+
+
+def test_the_engine_runs_in_this_process_and_a_cancelled_call_leaves_nothing_in_it(served: Served) -> None:
+    children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == os.getpid()]
+    # No vLLM engine-core process of ours ("VLLM::EngineCore", cut to 15 characters in comm).
+    assert not [c for c in children if "EngineCor" in _comm(c)]
+    texts, _ = intent_texts(64, _HELDOUT_SEED + 3)
+
+    async def cancel_midway() -> int:
+        call = asyncio.ensure_future(served.predict(texts))
+        while served.model.details()["requests_in_engine"] == 0:
+            await asyncio.sleep(0.001)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        for _ in range(500):  # the engine thread aborts them before its next step
+            if served.model.details()["requests_in_engine"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return int(served.model.details()["requests_in_engine"])
+
+    assert served.run(cancel_midway()) == 0
+    output = served.run(served.predict(texts[:4]))  # and the engine answers the next call
+    assert output.labels is not None
+    assert len(output.labels) == 4
+
+
+def _parent(proc: Path) -> int:
+    try:
+        stat = (proc / "stat").read_text()
+    except OSError:
+        return -1
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def _comm(proc: Path) -> str:
+    try:
+        return (proc / "comm").read_text()
+    except OSError:
+        return ""
 
 
 @pytest.mark.parametrize(
