@@ -99,10 +99,11 @@ class ModelReplica:
             return answer
 
     async def predict_texts(self, texts: list[str], trace: dict[str, str] | None = None) -> ModelAnswer:
-        """Label a batch of texts; with ``batching``, together with other calls' texts."""
+        """Label a batch of texts; with ``batching``, together with other calls' texts (a call that fills a
+        batch by itself, such as a large ``DecideBatch``, goes straight to the backend)."""
         with self._span(trace, len(texts)) as span:
-            if self._batching is None:
-                answer = await self._runner.predict_texts(texts)
+            if self._batching is None or len(texts) >= int(self._batching["max_batch_size"]):
+                answer = await self._runner.predict_texts(texts)  # a whole batch already: no waiting
             else:
                 answer = await self._texts_batched(texts)
             span.set_attribute("model.version", answer.version)

@@ -28,6 +28,10 @@ def _requests(count: int) -> list[pb.DecideRequest]:
     return out
 
 
+def client_label(response: pb.DecideResponse) -> str:
+    return next(m.label for m in response.models if m.model == "intent")
+
+
 def test_concurrent_texts_reach_the_engine_as_one_batch(
     serve_cluster: ServeCluster, demo_models: Path
 ) -> None:
@@ -39,13 +43,18 @@ def test_concurrent_texts_reach_the_engine_as_one_batch(
     spec = type(spec).model_validate({**data, "base_dir": spec.base_dir})
     deploy(spec)
     intent = serve.get_deployment_handle("model-intent", app_name=APP)
-    requests = _requests(CONCURRENT)
+    requests = _requests(3 * CONCURRENT)
     with RiskClient(endpoint(spec), pipeline=APP, timeout_s=60) as client:
-        sequential = [client.decide_request(r) for r in requests]  # one engine call each
+        sequential = [client.decide_request(r) for r in requests[:CONCURRENT]]  # one engine call each
         calls_before = intent.metadata.remote().result().calls
         with ThreadPoolExecutor(CONCURRENT) as pool:
-            concurrent = list(pool.map(client.decide_request, requests))
-    engine_calls = intent.metadata.remote().result().calls - calls_before
+            concurrent = list(pool.map(client.decide_request, requests[:CONCURRENT]))
+        engine_calls = intent.metadata.remote().result().calls - calls_before
+        # A DecideBatch larger than a batch is one engine call of its own, not a refusal (a fallback).
+        whole = client.decide_batch(requests)
+    singles = [client_label(r) for r in sequential]
+    assert [client_label(r) for r in whole[:CONCURRENT]] == singles
+    assert not any(m.fallback for r in whole for m in r.models if m.model == "intent")
     assert engine_calls < CONCURRENT / 2, (
         f"{CONCURRENT} concurrent decisions took {engine_calls} engine calls"
     )
