@@ -60,11 +60,11 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from riskserve.platform.errors import ConfigError, Conflict, InvalidInput, NotFound
+from riskserve.platform.errors import AlreadyExists, ConfigError, Conflict, InvalidInput, NotFound
 
 __all__ = ["SCHEMA_VERSION", "Batch", "Cursor", "DecisionRecord", "FeedbackAck", "FeedbackLog", "Window"]
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -91,7 +91,9 @@ CREATE TABLE IF NOT EXISTS cursor (
     last_seq   INTEGER NOT NULL CHECK (last_seq >= 0),
     version    TEXT,
     updated_at REAL NOT NULL,
-    artifact   TEXT
+    artifact   TEXT,
+    baseline   TEXT,
+    paused     TEXT
 );
 CREATE TABLE IF NOT EXISTS holdout (
     model TEXT NOT NULL,
@@ -111,6 +113,8 @@ CREATE TABLE IF NOT EXISTS batches (
 _MIGRATIONS: Final = {
     # 1 -> 2: the cursor names the artifact of its version; held-out labels and batch reports are kept.
     1: ["ALTER TABLE cursor ADD COLUMN artifact TEXT"],
+    # 2 -> 3: the served baseline a model's drift is measured from, and why its learning is paused.
+    2: ["ALTER TABLE cursor ADD COLUMN baseline TEXT", "ALTER TABLE cursor ADD COLUMN paused TEXT"],
 }
 
 
@@ -138,6 +142,11 @@ class Cursor:
     """Model version holding exactly those labels (``None`` before the first mark)."""
     artifact: str | None = None
     """Artifact directory of ``version``, where the learner wrote (or adopted) it."""
+    baseline: str | None = None
+    """Artifact directory of the served baseline (the version last adopted: the YAML's or a swap's); the
+    model's total drift is measured from it."""
+    paused: str = ""
+    """Why learning is paused ('' when it is not): the drift bound was reached; adopting a version resumes."""
 
 
 @dataclass(frozen=True)
@@ -359,12 +368,15 @@ class FeedbackLog:
 
         A retry with the same ``feedback_id`` and the same (``request_id``, ``label``) answers
         ``duplicate=True`` with the original seq; the label stays in the log once. ``source`` is
-        provenance, not payload, and is not compared. Several labels (different ``feedback_id``) for one
-        decision are all kept: the log is append-only, corrections are new entries.
+        provenance, not payload, and is not compared. A decision takes at most ONE label: a later label
+        for it with the same value (under another ``feedback_id``) is answered as a duplicate of the first
+        (nothing is added), one with the other value is refused. So nobody can outvote a label by
+        repeating or flipping it; a real correction is an operator's job, not an API call.
 
         Raises:
             InvalidInput: ``label`` not 0 or 1, empty ids (the field is named).
             Conflict: ``feedback_id`` was already used for a different request or label.
+            AlreadyExists: the decision already has a label with the other value.
             NotFound: no decision ``request_id`` was recorded, or it is past retention.
         """
         _require_text(request_id, "request_id")
@@ -393,6 +405,15 @@ class FeedbackLog:
             ).fetchone()
             if decided is None or decided[0] < now - self.retention_s:
                 raise NotFound(f"no decision '{request_id}' is kept (never recorded or past retention)")
+            first = cur.execute(
+                "SELECT seq, label FROM feedback WHERE request_id = ? ORDER BY seq LIMIT 1", (request_id,)
+            ).fetchone()
+            if first is not None:
+                if int(first[1]) != value:
+                    raise AlreadyExists(
+                        f"decision '{request_id}' already has label {first[1]}; a decision takes one label"
+                    )
+                return FeedbackAck(accepted=True, duplicate=True, seq=int(first[0]))
             cur.execute(
                 "INSERT INTO feedback (feedback_id, request_id, label, source, received_at)"
                 " VALUES (?, ?, ?, ?, ?)",
@@ -408,24 +429,47 @@ class FeedbackLog:
         """Where ``model`` stands: the last applied seq and the version that holds those labels."""
         _require_text(model, "model")
         with self._lock:
-            row = self._db.execute(
-                "SELECT last_seq, version, artifact FROM cursor WHERE model = ?", (model,)
-            ).fetchone()
-        return Cursor(model, 0, None) if row is None else Cursor(model, int(row[0]), row[1], row[2])
+            return self._cursor_in(self._db.cursor(), model)
 
     def adopt(self, model: str, version: str, artifact: str) -> Cursor:
         """Make ``version`` (at ``artifact``) the one later labels are applied to, without moving the
-        high-water mark: a swap or the first version a learner sees. Labels already applied stay applied."""
+        high-water mark: a swap or the first version a learner sees. Labels already applied stay applied.
+
+        The adopted version is also the new served baseline (drift is measured from it) and a paused
+        model resumes: adopting is the operator's (or the YAML's) word on what should serve.
+        """
         _require_text(model, "model")
         _require_text(version, "version")
         _require_text(artifact, "artifact")
         with self._write() as cur:
             cur.execute(
-                "INSERT INTO cursor (model, last_seq, version, updated_at, artifact) VALUES (?, 0, ?, ?, ?)"
-                " ON CONFLICT (model) DO UPDATE SET"
-                " version = excluded.version, artifact = excluded.artifact, updated_at = excluded.updated_at",
-                (model, version, self._clock(), artifact),
+                "INSERT INTO cursor (model, last_seq, version, updated_at, artifact, baseline, paused)"
+                " VALUES (?, 0, ?, ?, ?, ?, NULL) ON CONFLICT (model) DO UPDATE SET"
+                " version = excluded.version, artifact = excluded.artifact, updated_at = excluded.updated_at,"
+                " baseline = excluded.baseline, paused = NULL",
+                (model, version, self._clock(), artifact, artifact),
             )
+        return self.cursor(model)
+
+    def set_baseline(self, model: str, artifact: str) -> Cursor:
+        """Name the served baseline of ``model`` where none is recorded yet (a log from before drift
+        bounds: its current version becomes the baseline). A recorded baseline is kept."""
+        _require_text(artifact, "artifact")
+        with self._write() as cur:
+            cur.execute(
+                "UPDATE cursor SET baseline = ? WHERE model = ? AND baseline IS NULL", (artifact, model)
+            )
+        return self.cursor(model)
+
+    def pause(self, model: str, reason: str) -> Cursor:
+        """Stop applying labels to ``model`` (its pending labels stay in the log) and say why."""
+        _require_text(reason, "reason")
+        with self._write() as cur:
+            cur.execute(
+                "UPDATE cursor SET paused = ?, updated_at = ? WHERE model = ?", (reason, self._clock(), model)
+            )
+            if cur.rowcount == 0:
+                raise NotFound(f"model '{model}' has no cursor to pause")
         return self.cursor(model)
 
     def pending_count(self, model: str) -> int:
@@ -552,7 +596,7 @@ class FeedbackLog:
             ).fetchone()
             current, current_version = (0, None) if row is None else (int(row[0]), row[1])
             if last_seq == current and version == current_version:
-                return Cursor(model, current, current_version, None if row is None else row[2])
+                return self._cursor_in(cur, model)
             if expected_last_seq is not None and expected_last_seq != current:
                 raise Conflict(
                     f"model '{model}' cursor is at {current}, not {expected_last_seq}: "
@@ -582,7 +626,17 @@ class FeedbackLog:
                     "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?)",
                     (model, last_seq, current, version, json.dumps(report, sort_keys=True), now),
                 )
-        return Cursor(model, last_seq, version, kept_artifact)
+            return self._cursor_in(cur, model)
+
+    @staticmethod
+    def _cursor_in(cur: sqlite3.Cursor, model: str) -> Cursor:
+        """``model``'s cursor as the transaction of ``cur`` sees it."""
+        row = cur.execute(
+            "SELECT last_seq, version, artifact, baseline, paused FROM cursor WHERE model = ?", (model,)
+        ).fetchone()
+        if row is None:
+            return Cursor(model, 0, None)
+        return Cursor(model, int(row[0]), row[1], row[2], row[3], row[4] or "")
 
     def purge_expired(self) -> int:
         """Delete decisions past retention whose labels every known model has applied; return how many.

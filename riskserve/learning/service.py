@@ -1,7 +1,8 @@
 """The feedback service: one Serve deployment per pipeline that owns its feedback log and learners.
 
 It is the only process that opens the SQLite file (so the ingress replicas may run on any node), it
-admits labels (rate limit per source, then a durable commit before the answer), and a background thread
+admits labels (:class:`~riskserve.learning.admission.LabelAdmission`: rate limits per source and for all
+sources, one label per decision, then a durable commit before the answer), and a background thread
 runs each online model's :class:`~riskserve.learning.learner.OnlineLearner` and publishes every new
 version to **all** replicas of the model at once, through the model deployment's Serve ``user_config``
 (the same path as a hot swap). The cursor in the log names the version that should serve; whenever the
@@ -19,11 +20,14 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from riskserve.learning.admission import LabelAdmission
 from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
 from riskserve.learning.learner import BatchReport, OnlineLearner
 from riskserve.learning.rate_limit import SourceRateLimiter
+from riskserve.learning.secret import install_secret, secret_path
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import ConfigError, ModelUnavailable
+from riskserve.platform.metrics import LearningMetrics
 from riskserve.platform.runner import ModelStatus
 
 __all__ = ["FeedbackService"]
@@ -49,14 +53,24 @@ class FeedbackService:
         path = self._spec.feedback_log_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         self._log = FeedbackLog(path, retention_s=feedback.retention_hours * 3600)
-        self._limiter = SourceRateLimiter(feedback.source_rate_per_s, feedback.source_burst)
+        limiter = SourceRateLimiter(
+            feedback.source_rate_per_s,
+            feedback.source_burst,
+            total_rate_per_s=feedback.total_rate_per_s,
+            total_burst=feedback.total_burst,
+        )
+        self._metrics = LearningMetrics(self._spec.name)
+        self._admission = LabelAdmission(self._log, limiter, self._metrics)
+        key = install_secret(secret_path(path))
         self._ingress: Any = None
         self._learners: dict[str, OnlineLearner] = {}
         for name in self._spec.online_models():
             online = self._spec.models[name].online
             assert online is not None
             self._log.register_model(name)
-            self._learners[name] = OnlineLearner(self._log, name, online, self._spec.learned_dir(name))
+            self._learners[name] = OnlineLearner(
+                self._log, name, online, self._spec.learned_dir(name), holdout_key=key
+            )
         self._published: dict[str, str] = {}
         self._probed: dict[str, float] = {}
         self._counts: dict[str, dict[str, int]] = {name: {} for name in self._learners}
@@ -64,6 +78,7 @@ class FeedbackService:
         self._last_error: dict[str, str] = {}
         self._publish_seconds: dict[str, float] = {}
         self._publishes: dict[str, int] = {}
+        self._drift_of: dict[str, float] = {}
         self._cycle_lock = threading.Lock()  # one step, adoption or publish at a time
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -85,14 +100,13 @@ class FeedbackService:
         """Admit one label: rate limit (a retry is never limited), commit durably, then answer.
 
         Raises:
-            Overloaded: the source is over its rate. InvalidInput, NotFound, Conflict: see the log.
+            Overloaded: the source or all sources are over their rate. AlreadyExists: the decision has
+                a label of the other value. InvalidInput, NotFound, Conflict: see the log.
         """
         return await asyncio.to_thread(self._record_feedback, request_id, label, feedback_id, source)
 
     def _record_feedback(self, request_id: str, label: int, feedback_id: str, source: str) -> dict[str, Any]:
-        if not (isinstance(feedback_id, str) and feedback_id and self._log.seen(feedback_id)):
-            self._limiter.take(source)
-        ack = self._log.record_feedback(request_id, label, feedback_id, source)
+        ack = self._admission.admit(request_id, label, feedback_id, source)
         if not ack.duplicate:
             self._wake.set()
         first = next(iter(self._learners), None)
@@ -109,6 +123,7 @@ class FeedbackService:
             with self._cycle_lock:  # not between a step's read of its parent and its commit
                 version = learner.adopt(artifact)
                 self._published[model] = version.version
+                self._drift_of[model] = 0.0
                 return version.version
 
         return await asyncio.to_thread(adopt)
@@ -131,6 +146,9 @@ class FeedbackService:
                 "last_seq": cursor.last_seq,
                 "version": cursor.version,
                 "artifact": cursor.artifact,
+                "baseline": cursor.baseline,
+                "paused": cursor.paused,
+                "drift": self._drift(name),
                 "pending": self._log.pending_count(name),
                 "batches": dict(self._counts[name]),
                 "last_report": None if last is None else last.model_dump(mode="json"),
@@ -187,13 +205,23 @@ class FeedbackService:
         self._reconcile(name, learner)
         report = learner.step(force=force)
         if report is None:
+            paused = bool(self._log.cursor(name).paused)
+            self._metrics.learning_state(name, paused=paused, drift=self._drift(name))
             return None
         self._last_report[name] = report
         counts = self._counts[name]
         counts[report.outcome] = counts.get(report.outcome, 0) + 1
+        if report.outcome == "paused":
+            logger.error("online learning of '%s' paused: %s", name, report.reason)
         if report.changed:
+            self._drift_of[name] = report.drift
             self._publish(name, report.version, report.artifact)
+        self._metrics.learning_state(name, paused=report.outcome == "paused", drift=self._drift(name))
         return report
+
+    def _drift(self, name: str) -> float:
+        """The learned version's L2 drift from the baseline, as the batch that made it measured it."""
+        return self._drift_of.get(name, 0.0)
 
     def _reconcile(self, name: str, learner: OnlineLearner) -> None:
         cursor = self._log.cursor(name)

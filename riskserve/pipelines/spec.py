@@ -111,8 +111,8 @@ class OnlineLearningSpec(_Strict):
     interval_ms: float = Field(default=5000, gt=0)
     """A partial mini-batch is applied once its oldest label has waited this long."""
     holdout_every: int = Field(default=5, ge=0)
-    """One label in this many (chosen by a hash of its ``feedback_id``) validates instead of training;
-    0 holds nothing out."""
+    """One label in this many (chosen by an HMAC of its ``feedback_id`` under the install's secret key, so
+    a caller cannot pick which labels validate) validates instead of training; 0 holds nothing out."""
     holdout_window: int = Field(default=1000, ge=1)
     """The most recent held-out labels a candidate version is judged on."""
     min_holdout_rows: int = Field(default=50, ge=1)
@@ -125,6 +125,16 @@ class OnlineLearningSpec(_Strict):
     """Cap on the L2 norm of one mini-batch's change to (coefficients, intercept); a larger step is
     scaled down to it (a guard rail against poisoned labels; on the demo data an honest batch of 1,000
     labels moves about 0.03, a batch of 1,000 flipped labels about 0.7)."""
+    max_drift: float = Field(default=0.5, gt=0)
+    """Cap on the L2 norm of the TOTAL change of (coefficients, intercept) from the served baseline (the
+    version last adopted: the YAML's or a swap's), across every batch since. A candidate past it is not
+    served: learning pauses (labels stay pending), ``riskserve learning`` says why and the
+    ``riskserve_learning_paused`` gauge fires; a swap (adopting a reviewed version) resumes it."""
+    max_drift_logloss: float = Field(default=0.01, gt=0)
+    """Cap on the candidate's log-loss on the baseline's golden rows, scored against the baseline's own
+    probabilities, above the baseline's (the mean KL divergence from the baseline on a fixed reference
+    set): catches drift through the scaler, which the coefficient norm does not see. Past it: as
+    ``max_drift``."""
     update_scaler: bool = True
     """Whether mini-batches also update the scaler's running mean and variance."""
     artifact_dir: Path | None = None
@@ -141,9 +151,14 @@ class FeedbackSpec(_Strict):
     retention_hours: float = Field(default=168, gt=0)
     """How long a decision's features are kept for a label to be joined to them."""
     source_rate_per_s: float = Field(default=50, gt=0)
-    """Labels per second one source (``FeedbackRequest.source``) may send, on average."""
+    """Labels per second one source (the caller's identity when the front door authenticates, else
+    ``FeedbackRequest.source``) may send, on average."""
     source_burst: int = Field(default=500, ge=1)
     """Labels one source may send at once before its rate applies."""
+    total_rate_per_s: float = Field(default=200, gt=0)
+    """Labels per second ALL sources together may send: inventing sources does not buy more labels."""
+    total_burst: int = Field(default=2000, ge=1)
+    """Labels all sources together may send at once before ``total_rate_per_s`` applies."""
     flush_ms: float = Field(default=50, gt=0, le=10_000)
     """Decisions are buffered in the ingress and written to the log in one commit this often."""
     buffer_rows: int = Field(default=100_000, ge=1)
