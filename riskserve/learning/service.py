@@ -8,6 +8,11 @@ version to **all** replicas of the model at once, through the model deployment's
 (the same path as a hot swap). The cursor in the log names the version that should serve; whenever the
 model serves another one (a restart of Ray redeployed the YAML artifact, a crash fell between the commit
 and the publish), the service publishes the cursor's version again.
+
+It is also the pipeline's ONE publisher: learner batches, reconciliation and hot swaps
+(:meth:`FeedbackService.swap`) all publish under one lock, a swap is a compare-and-set on the version it
+was verified against, and :meth:`FeedbackService.fence` (called before a shutdown drains the pipeline)
+stops every later publish, so a learner can never redeploy an application that is being deleted.
 """
 
 from __future__ import annotations
@@ -22,11 +27,11 @@ from typing import Any
 
 from riskserve.learning.admission import LabelAdmission
 from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
-from riskserve.learning.learner import BatchReport, OnlineLearner
+from riskserve.learning.learner import BatchReport, OnlineLearner, load_version
 from riskserve.learning.rate_limit import SourceRateLimiter
 from riskserve.learning.secret import install_secret, secret_path
 from riskserve.pipelines.spec import PipelineSpec
-from riskserve.platform.errors import ConfigError, ModelUnavailable
+from riskserve.platform.errors import ConfigError, Conflict, ModelUnavailable
 from riskserve.platform.metrics import LearningMetrics
 from riskserve.platform.runner import ModelStatus
 
@@ -80,6 +85,7 @@ class FeedbackService:
         self._publishes: dict[str, int] = {}
         self._drift_of: dict[str, float] = {}
         self._cycle_lock = threading.Lock()  # one step, adoption or publish at a time
+        self._fenced = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="riskserve-learner", daemon=True)
@@ -127,6 +133,50 @@ class FeedbackService:
                 return version.version
 
         return await asyncio.to_thread(adopt)
+
+    async def swap(self, model: str, artifact: str, version: str, expected: str) -> None:
+        """Serve ``artifact`` (holding ``version``) for ``model``, verified by the caller against the
+        serving version ``expected``: one publish under the learner's lock, confirmed on every replica.
+
+        The learner adopts it (trains later labels on it, measures drift from it) only once every replica
+        serves it; a refused swap is rolled back and never adopted, so it cannot take effect later.
+
+        Raises:
+            Conflict: ``model`` no longer serves ``expected`` (another publish came first): verify again.
+            ModelLoadError: a replica refused it, or it is not a learnable artifact; nothing changed.
+            ModelUnavailable: the pipeline is shutting down.
+        """
+        await asyncio.to_thread(self._swap, model, artifact, version, expected)
+
+    def _swap(self, model: str, artifact: str, version: str, expected: str) -> None:
+        from riskserve.pipelines.publish import publish_checked
+
+        with self._cycle_lock:
+            self._check_open(version)
+            served = self._served(model)
+            if str(served.version) != expected:
+                raise Conflict(
+                    f"'{model}' serves {served.version}, not {expected} the candidate was verified against: "
+                    "another publish came first; run the swap again"
+                )
+            learner = self._learners.get(model)
+            if learner is not None:
+                load_version(artifact)  # learnable (a golden set) before anything is published
+            publish_checked(self._spec, model, artifact, version, served.artifact)
+            if learner is not None:
+                learner.adopt(artifact)
+                self._drift_of[model] = 0.0
+            self._published[model] = version
+
+    async def fence(self) -> None:
+        """Publish nothing more (a shutdown is about to drain and delete the pipeline); waits for a
+        publish in progress to end."""
+
+        def fence() -> None:
+            with self._cycle_lock:
+                self._fenced = True
+
+        await asyncio.to_thread(fence)
 
     async def learn_now(self, model: str) -> dict[str, Any] | None:
         """Apply the pending labels now, even a partial mini-batch (drills, demos); publish the result."""
@@ -250,19 +300,20 @@ class FeedbackService:
         status: ModelStatus = self._ingress.model_status.remote(name).result(timeout_s=30)
         return status
 
-    def _publish(self, name: str, version: str, artifact: str) -> None:
-        """Serve ``artifact`` on every replica of the model (a Serve ``user_config`` update)."""
-        from riskserve.pipelines.publish import publish_artifacts
+    def _check_open(self, version: str) -> None:
+        if self._stop.is_set() or self._fenced:
+            raise ModelUnavailable(f"the pipeline is shutting down; {version} not published")
 
-        if self._stop.is_set():
-            raise ModelUnavailable(f"the feedback service is shutting down; {version} not published")
+    def _publish(self, name: str, version: str, artifact: str) -> None:
+        """Serve ``artifact`` on every replica of the model (a Serve ``user_config`` update), confirmed on
+        each; a replica that refuses puts the previous artifact back (the cursor still names ``version``,
+        so reconciliation tries again)."""
+        from riskserve.pipelines.publish import publish_checked
+
+        self._check_open(version)
+        previous = self._served(name).artifact
         started = time.monotonic()
-        publish_artifacts(self._spec, {name: artifact})
+        publish_checked(self._spec, name, artifact, version, previous)
         self._publish_seconds[name] = time.monotonic() - started
         self._publishes[name] = self._publishes.get(name, 0) + 1
-        served = self._served(name)
-        if served.version != version:
-            raise ModelUnavailable(
-                f"published {version} but '{name}' serves {served.version} ({served.last_swap_error})"
-            )
         self._published[name] = version

@@ -26,6 +26,7 @@ _BY_STATUS: dict[grpc.StatusCode, type[errors.RiskServeError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.Overloaded,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
     grpc.StatusCode.ABORTED: errors.Conflict,
+    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
 }
 
 

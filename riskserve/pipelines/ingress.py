@@ -191,7 +191,8 @@ class PipelineIngress:
 
         A retried ``feedback_id`` answers ``duplicate=true`` and is applied once. Errors: no such decision
         (NOT_FOUND), label not 0/1 or empty ids (INVALID_ARGUMENT, field named), the id reused for another
-        label (ABORTED), the source over its rate (RESOURCE_EXHAUSTED), the log unreachable (UNAVAILABLE),
+        label (ABORTED), a decision already labelled with the other value (ALREADY_EXISTS), the source
+        or all sources over their rate (RESOURCE_EXHAUSTED), the log unreachable (UNAVAILABLE),
         no feedback in this pipeline (UNIMPLEMENTED).
         """
         recorder = self._flow.recorder
