@@ -29,11 +29,11 @@ from riskserve.learning.admission import LabelAdmission
 from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
 from riskserve.learning.learner import BatchReport, OnlineLearner, load_version
 from riskserve.learning.rate_limit import SourceRateLimiter
-from riskserve.learning.secret import install_secret, secret_path
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import ConfigError, Conflict, ModelUnavailable
 from riskserve.platform.metrics import LearningMetrics
 from riskserve.platform.runner import ModelStatus
+from riskserve.platform.secret import install_secret, secret_path
 
 __all__ = ["FeedbackService"]
 

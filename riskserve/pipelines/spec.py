@@ -346,6 +346,10 @@ class PipelineSpec(_Strict):
     """OpenTelemetry export: ``none`` (ids only), ``console``, ``file`` (JSON lines) or ``otlp``."""
     feedback: FeedbackSpec | None = None
     """Keep decisions and accept labels (the ``Feedback`` RPC) for online learning."""
+    models_root: Path | None = None
+    """The only directory ``riskserve swap`` takes candidates from (symlinks resolved); a model's own
+    YAML artifact and its learned versions are always accepted. Default: the directory that holds the
+    model's YAML artifact (``models/`` for ``models/fraud``). A relative path is relative to the YAML."""
     base_dir: Path = Field(default=Path("."), exclude=True)
     """Directory relative artifact paths are resolved against (the YAML file's; not written in YAML)."""
 
@@ -356,6 +360,12 @@ class PipelineSpec(_Strict):
     def artifact_path(self, model: str) -> Path:
         """Absolute artifact directory of a model."""
         return self._relative(self.models[model].artifact)
+
+    def candidate_root(self, model: str) -> Path:
+        """Absolute directory swap candidates of ``model`` must be inside (see ``models_root``)."""
+        if self.models_root is not None:
+            return self._relative(self.models_root)
+        return self.artifact_path(model).parent
 
     def feedback_log_path(self) -> Path:
         """Absolute path of the feedback log (the pipeline must have ``feedback``)."""
@@ -400,6 +410,8 @@ class PipelineSpec(_Strict):
                 data["models"][name]["online"]["artifact_dir"] = str(self.learned_dir(name))
         if self.tracing.file_path is not None:
             data["tracing"]["file_path"] = str(self._relative(self.tracing.file_path))
+        if self.models_root is not None:
+            data["models_root"] = str(self._relative(self.models_root))
         return data
 
 

@@ -31,6 +31,7 @@ from riskserve.platform.errors import Conflict, InvalidInput, ModelLoadError, No
 
 __all__ = [
     "SwapResult",
+    "admit_candidate",
     "artifact_overrides",
     "learning_status",
     "rollback",
@@ -98,11 +99,38 @@ def _cause(error: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else error
 
 
+def admit_candidate(spec: PipelineSpec, model: str, artifact: Path | str) -> Path:
+    """The candidate's real path, if ``model`` may be swapped to it: inside the pipeline's models root
+    (symlinks resolved, so a link out of the root does not count), its YAML artifact, or one of its
+    learned versions.
+
+    Raises:
+        NotFound: no such model or no such directory.
+        InvalidInput: the candidate is elsewhere (field ``artifact``).
+    """
+    if model not in spec.models:
+        raise NotFound(f"pipeline '{spec.name}' has no model '{model}' (models: {', '.join(spec.models)})")
+    try:
+        path = Path(artifact).resolve(strict=True)
+    except OSError as error:
+        raise NotFound(f"no candidate artifact at {artifact}: {error}") from error
+    roots = [spec.candidate_root(model).resolve()]
+    if spec.models[model].online is not None:
+        roots.append(spec.learned_dir(model).resolve())
+    if path == spec.artifact_path(model).resolve() or any(root in path.parents for root in roots):
+        return path
+    raise InvalidInput(
+        f"{path} is outside the models root {roots[0]} (set 'models_root' in the pipeline YAML to swap "
+        "from elsewhere)",
+        field="artifact",
+    )
+
+
 def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
     """Verify ``artifact`` and make it the serving version of ``model`` (Ray must be connected).
 
     Raises:
-        NotFound: no such model.
+        NotFound: no such model or candidate. InvalidInput: the candidate is outside the models root.
         Conflict: another swap of this pipeline is running, or another publish changed the model while
             the candidate was verified.
         ModelLoadError: the candidate failed a check, or a replica refused it; the old version serves.
@@ -110,9 +138,7 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
     from ray import serve
 
     pipeline = spec.name
-    if model not in spec.models:
-        raise NotFound(f"pipeline '{pipeline}' has no model '{model}' (models: {', '.join(spec.models)})")
-    path = str(Path(artifact).resolve())
+    path = str(admit_candidate(spec, model, artifact))
     with _exclusive(pipeline):
         ingress = serve.get_deployment_handle("ingress", app_name=pipeline)
         serving = model_status(spec, model)

@@ -1,10 +1,12 @@
-"""The per-install secret of a feedback log: a random key only the serving user can read (mode 0600).
+"""Per-install secrets: random keys only the serving user can read (mode 0600).
 
-It keys the holdout split (:func:`riskserve.learning.learner.is_holdout`): with a public hash of the
-``feedback_id`` a caller could choose ids that land in (or out of) the validation window; with an HMAC
-under this key it cannot predict the split. The key is created once, atomically (written to a private
-temporary file and hard-linked into place, so two processes opening the same log agree on one key), and
-refused when another user could read it.
+One beside a feedback log keys the holdout split (:func:`riskserve.learning.learner.is_holdout`): with a
+public hash of the ``feedback_id`` a caller could choose ids that land in (or out of) the validation
+window; with an HMAC under this key it cannot predict the split. One in the compiled-library cache
+authenticates each library's build record, so a library planted in the cache is never opened.
+
+A key is created once, atomically (written to a private temporary file and hard-linked into place, so two
+processes opening the same log agree on one key), and refused when another user could read it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ KEY_BYTES: Final = 32
 
 
 def secret_path(log_path: Path) -> Path:
-    """Where the secret of the feedback log at ``log_path`` is kept (beside it)."""
+    """Where the secret of the file at ``log_path`` (a feedback log) is kept: beside it."""
     return log_path.with_name(log_path.name + ".key")
 
 
