@@ -25,7 +25,9 @@ class LabelAdmission:
         self.limiter = limiter
         self.metrics = metrics
 
-    def admit(self, request_id: str, label: int, feedback_id: str, source: str) -> FeedbackAck:
+    def admit(
+        self, request_id: str, label: int, feedback_id: str, source: str, *, decision_id: str = ""
+    ) -> FeedbackAck:
         """Rate-limit, then record durably; returns only once the label is committed.
 
         ``source`` is whom the label is charged to: the caller's identity when the front door authenticates
@@ -43,7 +45,7 @@ class LabelAdmission:
                 self.metrics.refused("source_rate" if error.scope == "source" else "total_rate")
                 raise
         try:
-            return self.log.record_feedback(request_id, label, feedback_id, source)
+            return self.log.record_feedback(request_id, label, feedback_id, source, decision_id=decision_id)
         except AlreadyExists:
             self.metrics.refused("relabel")
             raise

@@ -101,7 +101,7 @@ class FeedbackService:
         return len(records) - len(conflicts)
 
     async def record_feedback(
-        self, request_id: str, label: int, feedback_id: str, source: str
+        self, request_id: str, label: int, feedback_id: str, source: str, decision_id: str = ""
     ) -> dict[str, Any]:
         """Admit one label: rate limit (a retry is never limited), commit durably, then answer.
 
@@ -109,10 +109,14 @@ class FeedbackService:
             Overloaded: the source or all sources are over their rate. AlreadyExists: the decision has
                 a label of the other value. InvalidInput, NotFound, Conflict: see the log.
         """
-        return await asyncio.to_thread(self._record_feedback, request_id, label, feedback_id, source)
+        return await asyncio.to_thread(
+            self._record_feedback, request_id, label, feedback_id, source, decision_id
+        )
 
-    def _record_feedback(self, request_id: str, label: int, feedback_id: str, source: str) -> dict[str, Any]:
-        ack = self._admission.admit(request_id, label, feedback_id, source)
+    def _record_feedback(
+        self, request_id: str, label: int, feedback_id: str, source: str, decision_id: str
+    ) -> dict[str, Any]:
+        ack = self._admission.admit(request_id, label, feedback_id, source, decision_id=decision_id)
         if not ack.duplicate:
             self._wake.set()
         first = next(iter(self._learners), None)

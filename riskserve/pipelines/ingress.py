@@ -189,6 +189,9 @@ class PipelineIngress:
     async def feedback(self, request: pb.FeedbackRequest) -> pb.FeedbackResponse:
         """Record the true outcome of a past decision; answered only once the label is durable.
 
+        The decision is ``decision_id`` (the id its Decide answer gave) or, for older clients, the one
+        decision made for ``request_id``.
+
         A retried ``feedback_id`` answers ``duplicate=true`` and is applied once. Errors: no such decision
         (NOT_FOUND), label not 0/1 or empty ids (INVALID_ARGUMENT, field named), the id reused for another
         label (ABORTED), a decision already labelled with the other value (ALREADY_EXISTS), the source
@@ -208,7 +211,11 @@ class PipelineIngress:
             raise ModelUnavailable(f"the feedback log is unreachable: {error}") from error
         try:
             ack = await self._feedback.record_feedback.remote(
-                request.request_id, int(request.label), request.feedback_id, request.source
+                request.request_id,
+                int(request.label),
+                request.feedback_id,
+                request.source,
+                decision_id=request.decision_id,
             )
         except Exception as error:
             if isinstance(getattr(error, "cause", error), RiskServeError):

@@ -229,6 +229,24 @@ def test_a_second_label_of_another_value_is_already_exists(learning: tuple[Pipel
     assert (again.duplicate, again.seq) == (True, labels.seqs["fb-0"])
 
 
+def test_the_server_issues_decision_ids_and_a_shared_request_id_is_not_enough_to_label(
+    learning: tuple[PipelineSpec, Labels],
+) -> None:
+    _, labels = learning
+    request = labels.decide(300, 1)[0]
+    again = labels.client.decide_request(labels.requests["req-300"])  # a second caller squats the same id
+    assert (request.request_id, again.request_id) == ("req-300", "req-300")  # echoed
+    assert len({request.decision_id, again.decision_id}) == 2
+    assert all(len(r.decision_id) == 32 for r in (request, again))
+    with pytest.raises(InvalidInput, match="several decisions"):
+        labels.client.feedback(request_id="req-300", label=1, feedback_id="squat-1", source="bank")
+    ack = labels.client.feedback(
+        decision_id=request.decision_id, label=1, feedback_id="squat-1", source="bank"
+    )
+    assert ack.accepted
+    assert not ack.duplicate
+
+
 def _feedback() -> Any:
     from ray import serve
 

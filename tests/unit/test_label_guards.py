@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sqlite3
 import stat
+from contextlib import closing
 from pathlib import Path
 
 import grpc
@@ -22,7 +24,7 @@ from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
 from riskserve.learning.learner import OnlineLearner, drift_from, is_holdout, load_version, log_loss
 from riskserve.learning.rate_limit import RateLimited, SourceRateLimiter
 from riskserve.pipelines.spec import OnlineLearningSpec
-from riskserve.platform.errors import AlreadyExists, ConfigError
+from riskserve.platform.errors import AlreadyExists, ConfigError, InvalidInput, NotFound
 from riskserve.platform.metrics import LABELS_REFUSED, LearningMetrics, recorded
 from riskserve.platform.secret import install_secret, secret_path
 from riskserve.wrappers.sklearn_model import snapshot_scores
@@ -285,3 +287,48 @@ def test_honest_labels_alone_stay_inside_the_default_drift_bound(
     assert "paused" not in [r.outcome for r in reports]
     assert drift < spec.max_drift / 2
     assert drift_logloss < spec.max_drift_logloss / 2
+
+
+def test_a_server_issued_decision_id_defeats_request_id_squatting(tmp_path: Path) -> None:
+    log = FeedbackLog(tmp_path / "log.sqlite")
+    eve_row, bank_row = np.full(len(COLUMNS), 9.0, np.float32), np.zeros(len(COLUMNS), np.float32)
+    # Eve decides first under the bank's next request_id; the bank's own decision still gets its own id.
+    log.record_decisions(
+        [
+            DecisionRecord("d-eve", "card", "{}", eve_row, COLUMNS, request_id="tx-42"),
+            DecisionRecord("d-bank", "card", "{}", bank_row, COLUMNS, request_id="tx-42"),
+        ]
+    )
+    with pytest.raises(InvalidInput, match="several decisions") as info:
+        log.record_feedback("tx-42", 1, "fb-1")  # an old client's label is not joined to Eve's decision
+    assert info.value.field == "decision_id"
+    ack = log.record_feedback("tx-42", 1, "fb-1", decision_id="d-bank")
+    assert not ack.duplicate
+    batch = log.pending("fraud", 10)
+    assert batch.x.tolist() == [bank_row.tolist()]  # the label trains on what the bank's decision saw
+    assert log.record_feedback("tx-42", 1, "fb-1").duplicate  # a retry by request_id finds its label
+    with pytest.raises(InvalidInput, match="not made for request") as other:
+        log.record_feedback("tx-7", 0, "fb-2", decision_id="d-eve")
+    assert other.value.field == "request_id"
+    with pytest.raises(NotFound):
+        log.record_feedback("", 0, "fb-3", decision_id="d-nobody")
+
+
+def test_a_schema_2_log_keeps_answering_labels_by_request_id(tmp_path: Path) -> None:
+    path = tmp_path / "v2.sqlite"
+    with closing(sqlite3.connect(path)) as db:
+        db.executescript(
+            "CREATE TABLE schema_version (version INTEGER NOT NULL); INSERT INTO schema_version VALUES (2);"
+            "CREATE TABLE decisions (request_id TEXT PRIMARY KEY, pipeline TEXT NOT NULL, model_version"
+            " TEXT NOT NULL, features BLOB NOT NULL, columns TEXT NOT NULL, decided_at REAL NOT NULL);"
+            "CREATE TABLE cursor (model TEXT PRIMARY KEY, last_seq INTEGER NOT NULL, version TEXT,"
+            " updated_at REAL NOT NULL, artifact TEXT);"
+        )
+        db.execute(
+            "INSERT INTO decisions VALUES ('tx-1', 'card', '{}', ?, ?, ?)",
+            (np.zeros(2, "<f4").tobytes(), '["a", "b"]', 4e9),
+        )
+        db.commit()
+    with FeedbackLog(path) as log:
+        assert not log.record_feedback("tx-1", 1, "fb-1").duplicate
+        assert log.cursor("fraud").baseline is None
