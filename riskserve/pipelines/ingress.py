@@ -60,9 +60,9 @@ class PipelineIngress:
         guarded: dict[str, GuardedModel] = {}
         for name, model in self._spec.models.items():
             if model.in_ingress:
+                settings = self._spec.runner_settings(name)
                 runner = ModelRunner(
-                    name, model.kind, dict(model.settings), columns, self._spec.model_columns(name),
-                    placement="ingress",
+                    name, model.kind, settings, columns, self._spec.model_columns(name), placement="ingress"
                 )  # fmt: skip
                 self._runners[name] = runner
                 endpoint: Any = LocalEndpoint(runner, serving.inline_rows)

@@ -31,6 +31,7 @@ __all__ = [
     "PoolSpec",
     "RuleSpec",
     "ServingSpec",
+    "SigningSpec",
     "StageSpec",
     "load_pipeline",
     "parse_pipeline",
@@ -141,6 +142,16 @@ class OnlineLearningSpec(_Strict):
     """Where learned versions are written (one verifiable artifact each); default: beside the log."""
     keep_versions: int = Field(default=50, ge=2)
     """Learned artifacts kept on disk (the serving one is always kept)."""
+
+
+class SigningSpec(_Strict):
+    """Ed25519 signatures on model artifacts: every artifact a model loads (the YAML's, a swap candidate)
+    must carry ``manifest.json.sig`` made with the private half of ``public_key``; it is checked before
+    anything of the artifact is read. An online model's learned versions (written by the server in its
+    own directory) are exempt."""
+
+    public_key: Path
+    """PEM file of the Ed25519 public key (``openssl pkey -in key.pem -pubout``); relative to the YAML."""
 
 
 class FeedbackSpec(_Strict):
@@ -346,6 +357,8 @@ class PipelineSpec(_Strict):
     """OpenTelemetry export: ``none`` (ids only), ``console``, ``file`` (JSON lines) or ``otlp``."""
     feedback: FeedbackSpec | None = None
     """Keep decisions and accept labels (the ``Feedback`` RPC) for online learning."""
+    signing: SigningSpec | None = None
+    """Require Ed25519-signed artifact manifests (see :class:`SigningSpec`); default: checksums only."""
     models_root: Path | None = None
     """The only directory ``riskserve swap`` takes candidates from (symlinks resolved); a model's own
     YAML artifact and its learned versions are always accepted. Default: the directory that holds the
@@ -360,6 +373,17 @@ class PipelineSpec(_Strict):
     def artifact_path(self, model: str) -> Path:
         """Absolute artifact directory of a model."""
         return self._relative(self.models[model].artifact)
+
+    def runner_settings(self, model: str) -> dict[str, Any]:
+        """The settings a model's runner loads it with: the YAML's, plus the signature requirement."""
+        settings = dict(self.models[model].settings)
+        if self.signing is not None:
+            from riskserve.platform.artifacts import load_public_key
+
+            settings["manifest_public_key"] = load_public_key(self._relative(self.signing.public_key)).hex()
+            if self.models[model].online is not None:
+                settings["unsigned_root"] = str(self.learned_dir(model))
+        return settings
 
     def candidate_root(self, model: str) -> Path:
         """Absolute directory swap candidates of ``model`` must be inside (see ``models_root``)."""
@@ -412,6 +436,8 @@ class PipelineSpec(_Strict):
             data["tracing"]["file_path"] = str(self._relative(self.tracing.file_path))
         if self.models_root is not None:
             data["models_root"] = str(self._relative(self.models_root))
+        if self.signing is not None:
+            data["signing"]["public_key"] = str(self._relative(self.signing.public_key))
         return data
 
 

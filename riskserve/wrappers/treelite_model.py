@@ -377,7 +377,7 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
     def _load_blocking(self) -> _Engine:
         started = time.perf_counter()
         settings = self.settings
-        artifact = open_artifact(settings.artifact, kind="treelite")
+        artifact = open_artifact(settings.artifact, kind="treelite", public_key=settings.manifest_key())
         feature_names = list(artifact.manifest.feature_names)
         if not feature_names:
             raise ModelLoadError(f"{artifact.root}: the manifest lists no feature names")

@@ -212,7 +212,10 @@ def test_an_attacker_cannot_move_the_model_past_its_bound_or_hurt_honest_log_los
     spec = OnlineLearningSpec.model_validate(  # the YAML defaults, with a mini-batch a test can fill
         {"batch_size": 128, "interval_ms": 1000, "min_holdout_rows": 20}
     )
-    learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned", clock=clock)
+    key = os.environ.get("RISKSERVE_TEST_HOLDOUT_KEY", "02" * 32)  # a fixed split; vary it to explore
+    learner = OnlineLearner(
+        log, "fraud", spec, tmp_path / "learned", clock=clock, holdout_key=bytes.fromhex(key)
+    )
     base = learner.adopt(base_artifact)
     limiter = SourceRateLimiter(50, 500, total_rate_per_s=200, total_burst=2000, clock=clock)
     desk = LabelAdmission(log, limiter, LearningMetrics("attack"))
@@ -263,7 +266,7 @@ def test_an_attacker_cannot_move_the_model_past_its_bound_or_hurt_honest_log_los
     after = log_loss(judge_y, snapshot_scores(served.snapshot, judge_x))
     outcomes = [r.outcome for r in reports]
     print(f"outcomes {outcomes}; drift {drift:.4f} {drift_logloss:.5f}; logloss {before:.5f} -> {after:.5f}")
-    assert after <= before + spec.max_drift_logloss, outcomes  # measured: 0.1921 -> 0.1970
+    assert after <= before + spec.max_drift_logloss, outcomes  # measured: 0.1921 -> 0.197..0.198 (6 keys)
 
 
 def test_honest_labels_alone_stay_inside_the_default_drift_bound(
@@ -271,7 +274,7 @@ def test_honest_labels_alone_stay_inside_the_default_drift_bound(
 ) -> None:
     log = FeedbackLog(tmp_path / "log.sqlite")
     spec = OnlineLearningSpec.model_validate({"batch_size": 128, "min_holdout_rows": 20})  # YAML defaults
-    learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned")
+    learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned", holdout_key=b"\x02" * 32)
     base = learner.adopt(base_artifact)
     ids = [f"r{i}" for i in range(1536)]
     _decide(log, ids, data.x_test[:1536])
