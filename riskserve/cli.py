@@ -104,7 +104,11 @@ def _feedback(args: argparse.Namespace) -> int:
 
     with RiskClient(_target(args), pipeline=args.pipeline, timeout_s=args.timeout) as client:
         ack = client.feedback(
-            request_id=args.request_id, label=args.label, feedback_id=args.feedback_id, source=args.source
+            request_id=args.request_id or "",
+            label=args.label,
+            feedback_id=args.feedback_id,
+            source=args.source,
+            decision_id=args.decision_id or "",
         )
     what = "duplicate (already recorded, applied once)" if ack.duplicate else "recorded (durable)"
     print(f"feedback {args.feedback_id}: {what}, seq {ack.seq}, model version {ack.model_version}")
@@ -205,7 +209,11 @@ def _parser() -> argparse.ArgumentParser:
 
     feedback = commands.add_parser("feedback", help="report the true outcome of a past decision (gRPC)")
     feedback.add_argument("--pipeline", required=True)
-    feedback.add_argument("--request-id", required=True, help="the decision's request_id")
+    which = feedback.add_mutually_exclusive_group(required=True)
+    which.add_argument("--decision-id", help="the decision_id its Decide answer gave")
+    which.add_argument(
+        "--request-id", help="the decision's request_id (refused if several decisions carry it)"
+    )
     feedback.add_argument("--label", required=True, type=int, help="1: it was fraud, 0: it was not")
     feedback.add_argument("--feedback-id", required=True, help="idempotency key: a retry is applied once")
     feedback.add_argument("--source", default="cli", help="who reports it (rate limited per source)")

@@ -17,6 +17,7 @@ from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import RiskServeError
 from riskserve.platform.runner import ModelStatus
+from riskserve.platform.secret import install_secret, secret_path
 from riskserve.wrappers.sklearn_model import LinearSnapshot, train_step
 
 BATCH = 16
@@ -28,6 +29,8 @@ ONLINE: dict[str, Any] = {
     "min_holdout_rows": 10_000,  # honest labels here; the revert is tested in tests/unit
     "max_coef_step": 100.0,
     "max_golden_shift": 1.0,
+    "max_drift": 100.0,  # the drift bound is tested in tests/unit
+    "max_drift_logloss": 100.0,
 }
 """The fraud model's ``online`` section in these tests."""
 
@@ -75,6 +78,7 @@ class Labels:
 
     def __init__(self, spec: PipelineSpec, client: RiskClient) -> None:
         self.client = client
+        self.spec = spec
         self.encoder = FeatureEncoder(spec.features)
         self.tx = generate_transactions(400, seed=77)
         self.requests: dict[str, pb.DecideRequest] = {}
@@ -115,7 +119,8 @@ class Labels:
         rows = [self.encoder.validate(_raw(self.requests[r])) for r, _, _ in self.acked]
         matrix = self.encoder.encode(rows).matrix
         labels = np.array([label for _, _, label in self.acked], dtype=np.int64)
-        train = np.array([not is_holdout(f, HOLDOUT_EVERY) for _, f, _ in self.acked])
+        key = install_secret(secret_path(self.spec.feedback_log_path()))  # the service made it at start
+        train = np.array([not is_holdout(f, HOLDOUT_EVERY, key) for _, f, _ in self.acked])
         snapshot = base
         for start in range(0, len(self.acked), BATCH):
             part = slice(start, start + BATCH)

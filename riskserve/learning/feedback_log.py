@@ -1,8 +1,12 @@
 """The durable, append-only feedback log that online learning reads: SQLite in WAL mode.
 
-A pipeline's ``Feedback(request_id, label, feedback_id)`` RPC records the true outcome of a past decision.
-The decision's features are stored here when it is made (:meth:`FeedbackLog.record_decision`, kept for
-``retention_s``), so a label can be joined to exactly what the model saw. A learner reads the labels it
+A pipeline's ``Feedback(decision_id | request_id, label, feedback_id)`` RPC records the true outcome of a
+past decision. The decision's features are stored here when it is made (:meth:`FeedbackLog.record_decision`,
+kept for ``retention_s``), so a label can be joined to exactly what the model saw. A decision is keyed by
+the id the SERVER issued it (``DecideResponse.decision_id``); the caller's ``request_id`` is kept beside it
+as a correlation id that need not be unique, so nobody can pre-empt another caller's decision by sending
+its ``request_id`` first. A label naming only a ``request_id`` joins the one decision carrying it, and is
+refused as ambiguous when there are several. A learner reads the labels it
 has not applied yet (:meth:`FeedbackLog.pending`), runs ``partial_fit`` on them as one mini-batch and
 moves its cursor (:meth:`FeedbackLog.mark_applied`).
 
@@ -60,21 +64,22 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from riskserve.platform.errors import ConfigError, Conflict, InvalidInput, NotFound
+from riskserve.platform.errors import AlreadyExists, ConfigError, Conflict, InvalidInput, NotFound
 
 __all__ = ["SCHEMA_VERSION", "Batch", "Cursor", "DecisionRecord", "FeedbackAck", "FeedbackLog", "Window"]
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS decisions (
-    request_id    TEXT PRIMARY KEY,
+    request_id    TEXT PRIMARY KEY,  -- the decision id the server issued (named so since schema 1)
     pipeline      TEXT NOT NULL,
     model_version TEXT NOT NULL,
     features      BLOB NOT NULL,
     columns       TEXT NOT NULL,
-    decided_at    REAL NOT NULL
+    decided_at    REAL NOT NULL,
+    caller_id     TEXT               -- the caller's request_id: a correlation id, not unique
 );
 CREATE INDEX IF NOT EXISTS decisions_decided_at ON decisions (decided_at);
 CREATE TABLE IF NOT EXISTS feedback (
@@ -91,7 +96,9 @@ CREATE TABLE IF NOT EXISTS cursor (
     last_seq   INTEGER NOT NULL CHECK (last_seq >= 0),
     version    TEXT,
     updated_at REAL NOT NULL,
-    artifact   TEXT
+    artifact   TEXT,
+    baseline   TEXT,
+    paused     TEXT
 );
 CREATE TABLE IF NOT EXISTS holdout (
     model TEXT NOT NULL,
@@ -111,7 +118,17 @@ CREATE TABLE IF NOT EXISTS batches (
 _MIGRATIONS: Final = {
     # 1 -> 2: the cursor names the artifact of its version; held-out labels and batch reports are kept.
     1: ["ALTER TABLE cursor ADD COLUMN artifact TEXT"],
+    # 2 -> 3: the served baseline a model's drift is measured from, and why its learning is paused.
+    # ... and the caller's request_id beside the server-issued decision id (old rows: the same id).
+    2: [
+        "ALTER TABLE cursor ADD COLUMN baseline TEXT",
+        "ALTER TABLE cursor ADD COLUMN paused TEXT",
+        "ALTER TABLE decisions ADD COLUMN caller_id TEXT",
+        "UPDATE decisions SET caller_id = request_id",
+    ],
 }
+_INDEXES: Final = ["CREATE INDEX IF NOT EXISTS decisions_caller_id ON decisions (caller_id)"]
+"""Created after the migrations (they may add the indexed columns)."""
 
 
 @dataclass(frozen=True)
@@ -138,18 +155,30 @@ class Cursor:
     """Model version holding exactly those labels (``None`` before the first mark)."""
     artifact: str | None = None
     """Artifact directory of ``version``, where the learner wrote (or adopted) it."""
+    baseline: str | None = None
+    """Artifact directory of the served baseline (the version last adopted: the YAML's or a swap's); the
+    model's total drift is measured from it."""
+    paused: str = ""
+    """Why learning is paused ('' when it is not): the drift bound was reached; adopting a version resumes."""
 
 
 @dataclass(frozen=True)
 class DecisionRecord:
     """What one decision's models saw, kept so a later label can be joined to it."""
 
-    request_id: str
+    decision_id: str
+    """The id the server issued the decision (the log's key)."""
     pipeline: str
     model_version: str
     """The serving versions at decision time (riskserve stores them as JSON ``{model: version}``)."""
     features: NDArray[np.float32]
     columns: tuple[str, ...]
+    request_id: str = ""
+    """The caller's request_id (a correlation id, not unique); '' means the same as ``decision_id``."""
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            object.__setattr__(self, "request_id", self.decision_id)
 
 
 @dataclass(frozen=True, eq=False)
@@ -235,17 +264,22 @@ class FeedbackLog:
             rows = cur.execute("SELECT version FROM schema_version").fetchall()
             if not rows:
                 cur.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+                for statement in _INDEXES:
+                    cur.execute(statement)
                 return
             found = rows[0][0] if len(rows) == 1 else None
             while found in _MIGRATIONS:  # older files are upgraded in the same transaction
                 for statement in _MIGRATIONS[found]:
-                    cur.execute(statement)
+                    if not _column_exists(cur, statement):  # a table the schema just created has it
+                        cur.execute(statement)
                 found += 1
                 cur.execute("UPDATE schema_version SET version = ?", (found,))
             if found != SCHEMA_VERSION:
                 raise ConfigError(
                     f"{self.path}: schema version {[r[0] for r in rows]}, this code reads {SCHEMA_VERSION}"
                 )
+            for statement in _INDEXES:
+                cur.execute(statement)
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -286,27 +320,28 @@ class FeedbackLog:
 
     def record_decision(
         self,
-        request_id: str,
+        decision_id: str,
         pipeline: str,
         model_version: str,
         features: NDArray[np.float32],
         columns: Sequence[str],
+        request_id: str = "",
     ) -> None:
         """Keep what the model saw for one decision, so later feedback can be joined to it.
 
-        Idempotent on ``request_id``: recording the same decision again is a no-op.
+        Idempotent on ``decision_id``: recording the same decision again is a no-op.
 
         Raises:
             InvalidInput: empty ids, features that are not a 1-D float32 row matching ``columns``.
-            Conflict: ``request_id`` was already recorded with a different payload.
+            Conflict: ``decision_id`` was already recorded with a different payload.
         """
-        record = DecisionRecord(request_id, pipeline, model_version, features, tuple(columns))
+        record = DecisionRecord(decision_id, pipeline, model_version, features, tuple(columns), request_id)
         conflicts = self.record_decisions([record])
         if conflicts:
-            raise Conflict(f"decision '{request_id}' was already recorded with a different payload")
+            raise Conflict(f"decision '{decision_id}' was already recorded with a different payload")
 
     def record_decisions(self, records: Sequence[DecisionRecord]) -> list[str]:
-        """Keep many decisions in ONE commit (one fsync); return the request ids that were already
+        """Keep many decisions in ONE commit (one fsync); return the decision ids that were already
         recorded with another payload (kept as first recorded: a retried Decide cannot rewrite history).
 
         Raises:
@@ -318,10 +353,15 @@ class FeedbackLog:
         conflicts = []
         with self._write() as cur:
             for row in rows:
-                cur.execute("INSERT OR IGNORE INTO decisions VALUES (?, ?, ?, ?, ?, ?)", (*row, now))
+                cur.execute(
+                    "INSERT OR IGNORE INTO decisions"
+                    " (request_id, pipeline, model_version, features, columns, caller_id, decided_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (*row, now),
+                )
                 if cur.rowcount == 0:
                     kept = cur.execute(
-                        "SELECT pipeline, model_version, features, columns FROM decisions"
+                        "SELECT pipeline, model_version, features, columns, caller_id FROM decisions"
                         " WHERE request_id = ?",
                         (row[0],),
                     ).fetchone()
@@ -330,7 +370,8 @@ class FeedbackLog:
         return conflicts
 
     @staticmethod
-    def _decision_row(record: DecisionRecord) -> tuple[str, str, str, bytes, str]:
+    def _decision_row(record: DecisionRecord) -> tuple[str, str, str, bytes, str, str]:
+        _require_text(record.decision_id, "decision_id")
         _require_text(record.request_id, "request_id")
         _require_text(record.pipeline, "pipeline")
         _require_text(record.model_version, "model_version")
@@ -346,7 +387,14 @@ class FeedbackLog:
         for name in names:
             _require_text(name, "columns")
         blob = np.ascontiguousarray(features, dtype="<f4").tobytes()
-        return (record.request_id, record.pipeline, record.model_version, blob, json.dumps(names))
+        return (
+            record.decision_id,
+            record.pipeline,
+            record.model_version,
+            blob,
+            json.dumps(names),
+            record.request_id,
+        )
 
     def seen(self, feedback_id: str) -> bool:
         """Whether ``feedback_id`` is already in the log (a retry is answered without rate limiting)."""
@@ -354,23 +402,37 @@ class FeedbackLog:
             row = self._db.execute("SELECT 1 FROM feedback WHERE feedback_id = ?", (feedback_id,)).fetchone()
         return row is not None
 
-    def record_feedback(self, request_id: str, label: int, feedback_id: str, source: str = "") -> FeedbackAck:
+    def record_feedback(
+        self, request_id: str, label: int, feedback_id: str, source: str = "", *, decision_id: str = ""
+    ) -> FeedbackAck:
         """Append the true outcome of a decision; return only once it is committed (durable).
 
-        A retry with the same ``feedback_id`` and the same (``request_id``, ``label``) answers
-        ``duplicate=True`` with the original seq; the label stays in the log once. ``source`` is
-        provenance, not payload, and is not compared. Several labels (different ``feedback_id``) for one
-        decision are all kept: the log is append-only, corrections are new entries.
+        The decision is ``decision_id`` (the id the server issued it) when given, else the ONE decision
+        whose caller's ``request_id`` is ``request_id``. Both given: they must belong together.
+
+        A retry with the same ``feedback_id`` for the same decision and label answers ``duplicate=True``
+        with the original seq; the label stays in the log once. ``source`` is provenance, not payload,
+        and is not compared. A decision takes at most ONE label: a later label for it with the same value
+        (under another ``feedback_id``) is answered as a duplicate of the first (nothing is added), one
+        with the other value is refused. So nobody can outvote a label by repeating or flipping it; a real
+        correction is an operator's job, not an API call.
 
         Raises:
-            InvalidInput: ``label`` not 0 or 1, empty ids (the field is named).
-            Conflict: ``feedback_id`` was already used for a different request or label.
-            NotFound: no decision ``request_id`` was recorded, or it is past retention.
+            InvalidInput: ``label`` not 0 or 1, empty ids, a ``request_id`` that several decisions carry
+                (send ``decision_id``), or a ``request_id`` that is not the decision's (the field is named).
+            Conflict: ``feedback_id`` was already used for a different decision or label.
+            AlreadyExists: the decision already has a label with the other value.
+            NotFound: no such decision was recorded, or it is past retention.
         """
-        _require_text(request_id, "request_id")
+        if not decision_id:
+            _require_text(request_id, "request_id")
+        elif not isinstance(request_id, str):
+            raise InvalidInput("must be a string", field="request_id")
         _require_text(feedback_id, "feedback_id")
-        if not isinstance(source, str):
-            raise InvalidInput("must be a string", field="source")
+        if not isinstance(source, str) or not isinstance(decision_id, str):
+            raise InvalidInput(
+                "must be a string", field="source" if not isinstance(source, str) else "decision_id"
+            )
         try:
             value = operator.index(label)
         except TypeError:
@@ -378,29 +440,63 @@ class FeedbackLog:
         if value not in (0, 1):
             raise InvalidInput(f"must be 0 or 1, got {label!r}", field="label")
         now = self._clock()
+        named = decision_id or request_id
         with self._write() as cur:
             seen = cur.execute(
-                "SELECT seq, request_id, label FROM feedback WHERE feedback_id = ?", (feedback_id,)
+                "SELECT f.seq, f.request_id, f.label, d.caller_id FROM feedback AS f"
+                " LEFT JOIN decisions AS d ON d.request_id = f.request_id WHERE f.feedback_id = ?",
+                (feedback_id,),
             ).fetchone()
             if seen is not None:
-                if (seen[1], seen[2]) != (request_id, value):
+                same = seen[1] == decision_id if decision_id else request_id in (seen[1], seen[3])
+                if not same or seen[2] != value:
                     raise Conflict(
-                        f"feedback '{feedback_id}' was recorded for request '{seen[1]}' with label {seen[2]}"
+                        f"feedback '{feedback_id}' was recorded for decision '{seen[1]}' with label {seen[2]}"
                     )
                 return FeedbackAck(accepted=True, duplicate=True, seq=int(seen[0]))
+            key = decision_id or self._decision_of(cur, request_id)
             decided = cur.execute(
-                "SELECT decided_at FROM decisions WHERE request_id = ?", (request_id,)
+                "SELECT decided_at, caller_id FROM decisions WHERE request_id = ?", (key,)
             ).fetchone()
             if decided is None or decided[0] < now - self.retention_s:
-                raise NotFound(f"no decision '{request_id}' is kept (never recorded or past retention)")
+                raise NotFound(f"no decision '{named}' is kept (never recorded or past retention)")
+            if decision_id and request_id and request_id not in (decided[1], key):
+                raise InvalidInput(
+                    f"decision '{decision_id}' was not made for request '{request_id}'", field="request_id"
+                )
+            first = cur.execute(
+                "SELECT seq, label FROM feedback WHERE request_id = ? ORDER BY seq LIMIT 1", (key,)
+            ).fetchone()
+            if first is not None:
+                if int(first[1]) != value:
+                    raise AlreadyExists(
+                        f"decision '{named}' already has label {first[1]}; a decision takes one label"
+                    )
+                return FeedbackAck(accepted=True, duplicate=True, seq=int(first[0]))
             cur.execute(
                 "INSERT INTO feedback (feedback_id, request_id, label, source, received_at)"
                 " VALUES (?, ?, ?, ?, ?)",
-                (feedback_id, request_id, value, source, now),
+                (feedback_id, key, value, source, now),
             )
             seq = cur.lastrowid
         assert seq is not None
         return FeedbackAck(accepted=True, duplicate=False, seq=int(seq))
+
+    @staticmethod
+    def _decision_of(cur: sqlite3.Cursor, request_id: str) -> str:
+        """The one decision whose caller's request_id is ``request_id`` (an older client's label)."""
+        rows = cur.execute(
+            "SELECT request_id FROM decisions WHERE caller_id = ? LIMIT 2", (request_id,)
+        ).fetchall()
+        if not rows:
+            raise NotFound(f"no decision '{request_id}' is kept (never recorded or past retention)")
+        if len(rows) > 1:
+            raise InvalidInput(
+                f"request_id '{request_id}' names several decisions; send the decision_id the Decide "
+                "answer gave",
+                field="decision_id",
+            )
+        return str(rows[0][0])
 
     # -- learners ---------------------------------------------------------------------------------
 
@@ -408,24 +504,47 @@ class FeedbackLog:
         """Where ``model`` stands: the last applied seq and the version that holds those labels."""
         _require_text(model, "model")
         with self._lock:
-            row = self._db.execute(
-                "SELECT last_seq, version, artifact FROM cursor WHERE model = ?", (model,)
-            ).fetchone()
-        return Cursor(model, 0, None) if row is None else Cursor(model, int(row[0]), row[1], row[2])
+            return self._cursor_in(self._db.cursor(), model)
 
     def adopt(self, model: str, version: str, artifact: str) -> Cursor:
         """Make ``version`` (at ``artifact``) the one later labels are applied to, without moving the
-        high-water mark: a swap or the first version a learner sees. Labels already applied stay applied."""
+        high-water mark: a swap or the first version a learner sees. Labels already applied stay applied.
+
+        The adopted version is also the new served baseline (drift is measured from it) and a paused
+        model resumes: adopting is the operator's (or the YAML's) word on what should serve.
+        """
         _require_text(model, "model")
         _require_text(version, "version")
         _require_text(artifact, "artifact")
         with self._write() as cur:
             cur.execute(
-                "INSERT INTO cursor (model, last_seq, version, updated_at, artifact) VALUES (?, 0, ?, ?, ?)"
-                " ON CONFLICT (model) DO UPDATE SET"
-                " version = excluded.version, artifact = excluded.artifact, updated_at = excluded.updated_at",
-                (model, version, self._clock(), artifact),
+                "INSERT INTO cursor (model, last_seq, version, updated_at, artifact, baseline, paused)"
+                " VALUES (?, 0, ?, ?, ?, ?, NULL) ON CONFLICT (model) DO UPDATE SET"
+                " version = excluded.version, artifact = excluded.artifact, updated_at = excluded.updated_at,"
+                " baseline = excluded.baseline, paused = NULL",
+                (model, version, self._clock(), artifact, artifact),
             )
+        return self.cursor(model)
+
+    def set_baseline(self, model: str, artifact: str) -> Cursor:
+        """Name the served baseline of ``model`` where none is recorded yet (a log from before drift
+        bounds: its current version becomes the baseline). A recorded baseline is kept."""
+        _require_text(artifact, "artifact")
+        with self._write() as cur:
+            cur.execute(
+                "UPDATE cursor SET baseline = ? WHERE model = ? AND baseline IS NULL", (artifact, model)
+            )
+        return self.cursor(model)
+
+    def pause(self, model: str, reason: str) -> Cursor:
+        """Stop applying labels to ``model`` (its pending labels stay in the log) and say why."""
+        _require_text(reason, "reason")
+        with self._write() as cur:
+            cur.execute(
+                "UPDATE cursor SET paused = ?, updated_at = ? WHERE model = ?", (reason, self._clock(), model)
+            )
+            if cur.rowcount == 0:
+                raise NotFound(f"model '{model}' has no cursor to pause")
         return self.cursor(model)
 
     def pending_count(self, model: str) -> int:
@@ -552,7 +671,7 @@ class FeedbackLog:
             ).fetchone()
             current, current_version = (0, None) if row is None else (int(row[0]), row[1])
             if last_seq == current and version == current_version:
-                return Cursor(model, current, current_version, None if row is None else row[2])
+                return self._cursor_in(cur, model)
             if expected_last_seq is not None and expected_last_seq != current:
                 raise Conflict(
                     f"model '{model}' cursor is at {current}, not {expected_last_seq}: "
@@ -582,7 +701,17 @@ class FeedbackLog:
                     "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?)",
                     (model, last_seq, current, version, json.dumps(report, sort_keys=True), now),
                 )
-        return Cursor(model, last_seq, version, kept_artifact)
+            return self._cursor_in(cur, model)
+
+    @staticmethod
+    def _cursor_in(cur: sqlite3.Cursor, model: str) -> Cursor:
+        """``model``'s cursor as the transaction of ``cur`` sees it."""
+        row = cur.execute(
+            "SELECT last_seq, version, artifact, baseline, paused FROM cursor WHERE model = ?", (model,)
+        ).fetchone()
+        if row is None:
+            return Cursor(model, 0, None)
+        return Cursor(model, int(row[0]), row[1], row[2], row[3], row[4] or "")
 
     def purge_expired(self) -> int:
         """Delete decisions past retention whose labels every known model has applied; return how many.
@@ -603,6 +732,14 @@ class FeedbackLog:
             purged = int(cur.rowcount)
             cur.execute("DELETE FROM holdout WHERE seq NOT IN (SELECT seq FROM feedback)")
             return purged
+
+
+def _column_exists(cur: sqlite3.Cursor, statement: str) -> bool:
+    """Whether ``statement`` is an ``ALTER TABLE t ADD COLUMN c ...`` whose column ``t`` already has."""
+    words = statement.split()
+    if words[:2] != ["ALTER", "TABLE"] or words[3:5] != ["ADD", "COLUMN"]:
+        return False
+    return any(row[1] == words[5] for row in cur.execute(f"PRAGMA table_info({words[2]})"))
 
 
 def _require_text(value: object, field: str) -> None:

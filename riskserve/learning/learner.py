@@ -4,8 +4,9 @@ One :meth:`OnlineLearner.step`:
 
 1. reads the labels after the model's cursor: a mini-batch of ``batch_size`` labels, or fewer once the
    oldest has waited ``interval_ms``;
-2. splits them: one label in ``holdout_every`` (chosen by a hash of its ``feedback_id``, so a replay
-   splits the same way) is held out for validation, the others train;
+2. splits them: one label in ``holdout_every`` (chosen by an HMAC of its ``feedback_id`` under the
+   install's secret key, so a replay splits the same way and a caller cannot choose the split) is held out
+   for validation, the others train;
 3. runs ``partial_fit`` on a copy of the cursor's version and scales the step down to ``max_coef_step``
    (the L2 norm of the change to coefficients and intercept), so a burst of poisoned labels moves the
    model a bounded distance;
@@ -14,10 +15,15 @@ One :meth:`OnlineLearner.step`:
    log-loss no worse than the serving version's by more than ``max_logloss_increase``. A candidate that
    fails is reverted: the batch is consumed, the version stays, its held-out labels do not join the
    window, and the report says why;
-5. writes the candidate as a verifiable artifact (content-addressed directory, fsynced, atomic rename);
-6. moves cursor, version, artifact, held-out ids and the batch report in ONE commit of the log.
+5. bounds the total drift: a candidate farther from the served baseline (the version last adopted) than
+   ``max_drift`` (L2 of coefficients and intercept) or ``max_drift_logloss`` (log-loss on the baseline's
+   golden rows against the baseline's own scores) is not served and learning PAUSES: the batch stays
+   pending, the cursor records why, and only adopting a version (a swap) resumes. Per-batch caps bound one
+   step; this bounds the sum of many small poisoned steps;
+6. writes the candidate as a verifiable artifact (content-addressed directory, fsynced, atomic rename);
+7. moves cursor, version, artifact, held-out ids and the batch report in ONE commit of the log.
 
-A crash anywhere before step 6 leaves the cursor where it was: the restarted learner reads the same labels
+A crash anywhere before step 7 leaves the cursor where it was: the restarted learner reads the same labels
 onto the same parent and, the steps being deterministic, writes the same version. So every label is in
 the served lineage exactly once (see :mod:`riskserve.learning.feedback_log`).
 """
@@ -25,6 +31,7 @@ the served lineage exactly once (see :mod:`riskserve.learning.feedback_log`).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 import os
 import shutil
@@ -40,9 +47,10 @@ from numpy.typing import NDArray
 from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict
 
-from riskserve.learning.feedback_log import Batch, FeedbackLog
+from riskserve.learning.feedback_log import Batch, Cursor, FeedbackLog
 from riskserve.pipelines.spec import OnlineLearningSpec
 from riskserve.platform.errors import ModelLoadError
+from riskserve.platform.secret import install_secret, secret_path
 from riskserve.wrappers.sklearn_model import (
     GOLDEN_FILE,
     LinearSnapshot,
@@ -57,19 +65,21 @@ __all__ = [
     "LearnedVersion",
     "OnlineLearner",
     "cap_step",
+    "drift_from",
     "is_holdout",
     "load_version",
     "log_loss",
 ]
 
-Outcome = Literal["applied", "reverted", "held_out"]
+Outcome = Literal["applied", "reverted", "held_out", "paused"]
 
 
-def is_holdout(feedback_id: str, every: int) -> bool:
-    """Whether a label validates instead of training: one in ``every``, by a hash of its id (stable)."""
+def is_holdout(feedback_id: str, every: int, key: bytes) -> bool:
+    """Whether a label validates instead of training: one in ``every``, by an HMAC-SHA256 of its id under
+    the install's secret ``key`` (stable for a replay, unpredictable to whoever picks the id)."""
     if every <= 0:
         return False
-    digest = hashlib.sha256(feedback_id.encode()).digest()
+    digest = hmac.new(key, feedback_id.encode(), hashlib.sha256).digest()
     return int.from_bytes(digest[:8], "big") % every == 0
 
 
@@ -96,6 +106,30 @@ def cap_step(
         update={"coef": [float(v) for v in scaled[:-1]], "intercept": float(scaled[-1])}
     )
     return LinearSnapshot.from_params(params), norm, True
+
+
+def drift_from(baseline: LearnedVersion, candidate: LinearSnapshot) -> tuple[float, float]:
+    """How far ``candidate`` is from the served ``baseline``: the L2 norm of the change of (coefficients,
+    intercept), and the candidate's log-loss on the baseline's golden rows against the baseline's own
+    probabilities minus the baseline's (the mean KL divergence on that fixed reference set; 0 = same).
+
+    Raises:
+        ModelLoadError: the candidate has another width than the baseline (it is not of its lineage).
+    """
+    old = np.append(baseline.snapshot.coef, baseline.snapshot.params.intercept)
+    new = np.append(candidate.coef, candidate.params.intercept)
+    if old.shape != new.shape:
+        raise ModelLoadError(f"candidate has {new.size - 1} coefficients, the baseline {old.size - 1}")
+    target = snapshot_scores(baseline.snapshot, baseline.golden_x)
+    excess = _cross_entropy(target, snapshot_scores(candidate, baseline.golden_x)) - _cross_entropy(
+        target, target
+    )
+    return float(np.linalg.norm(new - old)), max(excess, 0.0)
+
+
+def _cross_entropy(target: NDArray[np.float64], p: NDArray[np.float64]) -> float:
+    q = np.clip(p, 1e-12, 1 - 1e-12)
+    return float(-np.mean(target * np.log(q) + (1 - target) * np.log(1 - q)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,6 +185,10 @@ class BatchReport(_Schema):
     window_rows: int = 0
     logloss_before: float | None = None
     logloss_after: float | None = None
+    drift: float = 0.0
+    """L2 norm of the candidate's total change of (coefficients, intercept) from the served baseline."""
+    drift_logloss: float = 0.0
+    """The candidate's excess log-loss on the baseline's golden rows (see :func:`drift_from`)."""
     first_received_at: float
     applied_at: float
 
@@ -171,13 +209,17 @@ class OnlineLearner:
         artifact_dir: Path,
         *,
         clock: Callable[[], float] = time.time,
+        holdout_key: bytes | None = None,
     ) -> None:
+        """``holdout_key``: the secret of the holdout split; default: the install secret beside the log."""
         self.log = log
         self.model = model
         self.settings = settings
         self.artifact_dir = Path(artifact_dir)
         self._clock = clock
+        self.holdout_key = holdout_key if holdout_key is not None else install_secret(secret_path(log.path))
         self._parent: LearnedVersion | None = None
+        self._baseline: LearnedVersion | None = None
 
     def current(self) -> LearnedVersion | None:
         """The version the cursor names (``None`` before a version is adopted)."""
@@ -195,11 +237,24 @@ class OnlineLearner:
         return parent
 
     def adopt(self, artifact: Path | str) -> LearnedVersion:
-        """Verify ``artifact`` and make it the version later labels train (a swap, or the first version)."""
+        """Verify ``artifact`` and make it the version later labels train (a swap, or the first version);
+        it becomes the served baseline drift is measured from, and paused learning resumes."""
         version = load_version(artifact)
         self.log.adopt(self.model, version.version, str(version.artifact))
         self._parent = version
+        self._baseline = version
         return version
+
+    def baseline(self, cursor: Cursor, parent: LearnedVersion) -> LearnedVersion:
+        """The served baseline the cursor names (a log from before drift bounds: ``parent`` becomes it)."""
+        if cursor.baseline is None:
+            self.log.set_baseline(self.model, str(parent.artifact))
+            self._baseline = parent
+            return parent
+        cached = self._baseline
+        if cached is None or str(cached.artifact) != cursor.baseline:
+            cached = self._baseline = load_version(cursor.baseline)
+        return cached
 
     def due(self, batch: Batch) -> bool:
         """A full mini-batch, or a partial one whose oldest label has waited ``interval_ms``."""
@@ -211,17 +266,27 @@ class OnlineLearner:
     def step(self, *, force: bool = False) -> BatchReport | None:
         """Apply the next mini-batch if one is due (or ``force``); ``None`` when there was nothing to do.
 
+        A paused model does nothing (``None``); the step that pauses it returns a ``paused`` report and
+        leaves its batch pending.
+
         Raises:
             ModelLoadError: no version was adopted yet, or the cursor's artifact fails verification.
             Conflict: another learner moved the cursor meanwhile (nothing was applied by this one).
         """
+        cursor = self.log.cursor(self.model)
+        if cursor.paused:
+            return None
         parent = self.current()
         if parent is None:
             raise ModelLoadError(f"model '{self.model}': no version adopted yet; nothing to train from")
+        baseline = self.baseline(cursor, parent)
         batch = self.log.pending(self.model, limit=self.settings.batch_size)
         if len(batch) == 0 or not (force or self.due(batch)):
             return None
-        report, holdout_seqs = self._judge(parent, batch)
+        report, holdout_seqs = self._judge(parent, batch, baseline)
+        if report.outcome == "paused":
+            self.log.pause(self.model, report.reason)
+            return report
         self.log.mark_applied(
             self.model,
             batch.last_seq,
@@ -232,10 +297,12 @@ class OnlineLearner:
             report=report.model_dump(mode="json"),
         )
         if report.changed:
-            self._prune(keep={report.version, parent.version})
+            self._prune(keep={report.version, parent.version, baseline.version})
         return report
 
-    def _judge(self, parent: LearnedVersion, batch: Batch) -> tuple[BatchReport, list[int]]:
+    def _judge(
+        self, parent: LearnedVersion, batch: Batch, baseline: LearnedVersion
+    ) -> tuple[BatchReport, list[int]]:
         """Train, cap and judge a candidate; write it if it passes. Nothing here touches the cursor."""
         base = {
             "model": self.model,
@@ -250,7 +317,8 @@ class OnlineLearner:
             return self._report(base, parent, "reverted", f"decisions lack the model's columns {missing}"), []
         index = [batch.columns.index(c) for c in parent.feature_names]
         x = np.ascontiguousarray(batch.x[:, index])
-        held = np.array([is_holdout(f, self.settings.holdout_every) for f in batch.feedback_ids], dtype=bool)
+        every, key = self.settings.holdout_every, self.holdout_key
+        held = np.array([is_holdout(f, every, key) for f in batch.feedback_ids], dtype=bool)
         holdout_seqs = [int(s) for s in batch.seqs[held]]
         base |= {"trained_rows": int((~held).sum()), "holdout_rows": int(held.sum())}
         if not (~held).any():
@@ -266,6 +334,17 @@ class OnlineLearner:
         base |= checks
         if reason:
             return self._report(base, parent, "reverted", reason), []
+        drift, drift_logloss = drift_from(baseline, candidate)
+        base |= {"drift": drift, "drift_logloss": drift_logloss}
+        limits = self.settings
+        if drift > limits.max_drift or drift_logloss > limits.max_drift_logloss:
+            reason = (
+                f"learning paused: the candidate is {drift:.4f} (L2) / {drift_logloss:.4f} (golden log-loss)"
+                f" from the served baseline {baseline.version}, past max_drift {limits.max_drift} /"
+                f" max_drift_logloss {limits.max_drift_logloss}; review the labels, then swap in a"
+                " version to resume"
+            )
+            return self._report(base, parent, "paused", reason), []
         path = self._write(candidate, parent)
         report = BatchReport(
             **base,

@@ -1,12 +1,18 @@
 """The feedback service: one Serve deployment per pipeline that owns its feedback log and learners.
 
 It is the only process that opens the SQLite file (so the ingress replicas may run on any node), it
-admits labels (rate limit per source, then a durable commit before the answer), and a background thread
+admits labels (:class:`~riskserve.learning.admission.LabelAdmission`: rate limits per source and for all
+sources, one label per decision, then a durable commit before the answer), and a background thread
 runs each online model's :class:`~riskserve.learning.learner.OnlineLearner` and publishes every new
 version to **all** replicas of the model at once, through the model deployment's Serve ``user_config``
 (the same path as a hot swap). The cursor in the log names the version that should serve; whenever the
 model serves another one (a restart of Ray redeployed the YAML artifact, a crash fell between the commit
 and the publish), the service publishes the cursor's version again.
+
+It is also the pipeline's ONE publisher: learner batches, reconciliation and hot swaps
+(:meth:`FeedbackService.swap`) all publish under one lock, a swap is a compare-and-set on the version it
+was verified against, and :meth:`FeedbackService.fence` (called before a shutdown drains the pipeline)
+stops every later publish, so a learner can never redeploy an application that is being deleted.
 """
 
 from __future__ import annotations
@@ -19,12 +25,15 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from riskserve.learning.admission import LabelAdmission
 from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
-from riskserve.learning.learner import BatchReport, OnlineLearner
+from riskserve.learning.learner import BatchReport, OnlineLearner, load_version
 from riskserve.learning.rate_limit import SourceRateLimiter
 from riskserve.pipelines.spec import PipelineSpec
-from riskserve.platform.errors import ConfigError, ModelUnavailable
+from riskserve.platform.errors import ConfigError, Conflict, ModelUnavailable
+from riskserve.platform.metrics import LearningMetrics
 from riskserve.platform.runner import ModelStatus
+from riskserve.platform.secret import install_secret, secret_path
 
 __all__ = ["FeedbackService"]
 
@@ -49,14 +58,24 @@ class FeedbackService:
         path = self._spec.feedback_log_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         self._log = FeedbackLog(path, retention_s=feedback.retention_hours * 3600)
-        self._limiter = SourceRateLimiter(feedback.source_rate_per_s, feedback.source_burst)
+        limiter = SourceRateLimiter(
+            feedback.source_rate_per_s,
+            feedback.source_burst,
+            total_rate_per_s=feedback.total_rate_per_s,
+            total_burst=feedback.total_burst,
+        )
+        self._metrics = LearningMetrics(self._spec.name)
+        self._admission = LabelAdmission(self._log, limiter, self._metrics)
+        key = install_secret(secret_path(path))
         self._ingress: Any = None
         self._learners: dict[str, OnlineLearner] = {}
         for name in self._spec.online_models():
             online = self._spec.models[name].online
             assert online is not None
             self._log.register_model(name)
-            self._learners[name] = OnlineLearner(self._log, name, online, self._spec.learned_dir(name))
+            self._learners[name] = OnlineLearner(
+                self._log, name, online, self._spec.learned_dir(name), holdout_key=key
+            )
         self._published: dict[str, str] = {}
         self._probed: dict[str, float] = {}
         self._counts: dict[str, dict[str, int]] = {name: {} for name in self._learners}
@@ -64,7 +83,9 @@ class FeedbackService:
         self._last_error: dict[str, str] = {}
         self._publish_seconds: dict[str, float] = {}
         self._publishes: dict[str, int] = {}
+        self._drift_of: dict[str, float] = {}
         self._cycle_lock = threading.Lock()  # one step, adoption or publish at a time
+        self._fenced = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="riskserve-learner", daemon=True)
@@ -80,19 +101,22 @@ class FeedbackService:
         return len(records) - len(conflicts)
 
     async def record_feedback(
-        self, request_id: str, label: int, feedback_id: str, source: str
+        self, request_id: str, label: int, feedback_id: str, source: str, decision_id: str = ""
     ) -> dict[str, Any]:
         """Admit one label: rate limit (a retry is never limited), commit durably, then answer.
 
         Raises:
-            Overloaded: the source is over its rate. InvalidInput, NotFound, Conflict: see the log.
+            Overloaded: the source or all sources are over their rate. AlreadyExists: the decision has
+                a label of the other value. InvalidInput, NotFound, Conflict: see the log.
         """
-        return await asyncio.to_thread(self._record_feedback, request_id, label, feedback_id, source)
+        return await asyncio.to_thread(
+            self._record_feedback, request_id, label, feedback_id, source, decision_id
+        )
 
-    def _record_feedback(self, request_id: str, label: int, feedback_id: str, source: str) -> dict[str, Any]:
-        if not (isinstance(feedback_id, str) and feedback_id and self._log.seen(feedback_id)):
-            self._limiter.take(source)
-        ack = self._log.record_feedback(request_id, label, feedback_id, source)
+    def _record_feedback(
+        self, request_id: str, label: int, feedback_id: str, source: str, decision_id: str
+    ) -> dict[str, Any]:
+        ack = self._admission.admit(request_id, label, feedback_id, source, decision_id=decision_id)
         if not ack.duplicate:
             self._wake.set()
         first = next(iter(self._learners), None)
@@ -109,9 +133,54 @@ class FeedbackService:
             with self._cycle_lock:  # not between a step's read of its parent and its commit
                 version = learner.adopt(artifact)
                 self._published[model] = version.version
+                self._drift_of[model] = 0.0
                 return version.version
 
         return await asyncio.to_thread(adopt)
+
+    async def swap(self, model: str, artifact: str, version: str, expected: str) -> None:
+        """Serve ``artifact`` (holding ``version``) for ``model``, verified by the caller against the
+        serving version ``expected``: one publish under the learner's lock, confirmed on every replica.
+
+        The learner adopts it (trains later labels on it, measures drift from it) only once every replica
+        serves it; a refused swap is rolled back and never adopted, so it cannot take effect later.
+
+        Raises:
+            Conflict: ``model`` no longer serves ``expected`` (another publish came first): verify again.
+            ModelLoadError: a replica refused it, or it is not a learnable artifact; nothing changed.
+            ModelUnavailable: the pipeline is shutting down.
+        """
+        await asyncio.to_thread(self._swap, model, artifact, version, expected)
+
+    def _swap(self, model: str, artifact: str, version: str, expected: str) -> None:
+        from riskserve.pipelines.publish import publish_checked
+
+        with self._cycle_lock:
+            self._check_open(version)
+            served = self._served(model)
+            if str(served.version) != expected:
+                raise Conflict(
+                    f"'{model}' serves {served.version}, not {expected} the candidate was verified against: "
+                    "another publish came first; run the swap again"
+                )
+            learner = self._learners.get(model)
+            if learner is not None:
+                load_version(artifact)  # learnable (a golden set) before anything is published
+            publish_checked(self._spec, model, artifact, version, served.artifact)
+            if learner is not None:
+                learner.adopt(artifact)
+                self._drift_of[model] = 0.0
+            self._published[model] = version
+
+    async def fence(self) -> None:
+        """Publish nothing more (a shutdown is about to drain and delete the pipeline); waits for a
+        publish in progress to end."""
+
+        def fence() -> None:
+            with self._cycle_lock:
+                self._fenced = True
+
+        await asyncio.to_thread(fence)
 
     async def learn_now(self, model: str) -> dict[str, Any] | None:
         """Apply the pending labels now, even a partial mini-batch (drills, demos); publish the result."""
@@ -131,6 +200,9 @@ class FeedbackService:
                 "last_seq": cursor.last_seq,
                 "version": cursor.version,
                 "artifact": cursor.artifact,
+                "baseline": cursor.baseline,
+                "paused": cursor.paused,
+                "drift": self._drift(name),
                 "pending": self._log.pending_count(name),
                 "batches": dict(self._counts[name]),
                 "last_report": None if last is None else last.model_dump(mode="json"),
@@ -187,13 +259,23 @@ class FeedbackService:
         self._reconcile(name, learner)
         report = learner.step(force=force)
         if report is None:
+            paused = bool(self._log.cursor(name).paused)
+            self._metrics.learning_state(name, paused=paused, drift=self._drift(name))
             return None
         self._last_report[name] = report
         counts = self._counts[name]
         counts[report.outcome] = counts.get(report.outcome, 0) + 1
+        if report.outcome == "paused":
+            logger.error("online learning of '%s' paused: %s", name, report.reason)
         if report.changed:
+            self._drift_of[name] = report.drift
             self._publish(name, report.version, report.artifact)
+        self._metrics.learning_state(name, paused=report.outcome == "paused", drift=self._drift(name))
         return report
+
+    def _drift(self, name: str) -> float:
+        """The learned version's L2 drift from the baseline, as the batch that made it measured it."""
+        return self._drift_of.get(name, 0.0)
 
     def _reconcile(self, name: str, learner: OnlineLearner) -> None:
         cursor = self._log.cursor(name)
@@ -222,19 +304,20 @@ class FeedbackService:
         status: ModelStatus = self._ingress.model_status.remote(name).result(timeout_s=30)
         return status
 
-    def _publish(self, name: str, version: str, artifact: str) -> None:
-        """Serve ``artifact`` on every replica of the model (a Serve ``user_config`` update)."""
-        from riskserve.pipelines.publish import publish_artifacts
+    def _check_open(self, version: str) -> None:
+        if self._stop.is_set() or self._fenced:
+            raise ModelUnavailable(f"the pipeline is shutting down; {version} not published")
 
-        if self._stop.is_set():
-            raise ModelUnavailable(f"the feedback service is shutting down; {version} not published")
+    def _publish(self, name: str, version: str, artifact: str) -> None:
+        """Serve ``artifact`` on every replica of the model (a Serve ``user_config`` update), confirmed on
+        each; a replica that refuses puts the previous artifact back (the cursor still names ``version``,
+        so reconciliation tries again)."""
+        from riskserve.pipelines.publish import publish_checked
+
+        self._check_open(version)
+        previous = self._served(name).artifact
         started = time.monotonic()
-        publish_artifacts(self._spec, {name: artifact})
+        publish_checked(self._spec, name, artifact, version, previous)
         self._publish_seconds[name] = time.monotonic() - started
         self._publishes[name] = self._publishes.get(name, 0) + 1
-        served = self._served(name)
-        if served.version != version:
-            raise ModelUnavailable(
-                f"published {version} but '{name}' serves {served.version} ({served.last_swap_error})"
-            )
         self._published[name] = version

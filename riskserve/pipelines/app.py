@@ -144,7 +144,7 @@ def build_application(
         artifact = (artifacts or {}).get(name) or data["models"][name]["artifact"]
         columns = None if model.reads_text else matrix_columns
         declared = None if model.reads_text else spec.model_columns(name)
-        args = (name, model.kind, dict(model.settings), columns, declared, data["tracing"], batching)
+        args = (name, model.kind, spec.runner_settings(name), columns, declared, data["tracing"], batching)
         lane = {"lane": {"ongoing": max_ongoing, "queued": model.max_queued_requests}}
         lane = lane if spec.serving.model_lanes else {}
         versioned = _versioned(deployment, _version(names[name], args, lane))

@@ -26,6 +26,7 @@ _BY_STATUS: dict[grpc.StatusCode, type[errors.RiskServeError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.Overloaded,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
     grpc.StatusCode.ABORTED: errors.Conflict,
+    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
 }
 
 
@@ -140,18 +141,26 @@ class RiskClient:
     def feedback(
         self,
         *,
-        request_id: str,
+        request_id: str = "",
         label: int,
         feedback_id: str,
         source: str = "",
+        decision_id: str = "",
         timeout_s: float | None = None,
     ) -> pb.FeedbackResponse:
         """Report the true outcome of a past decision; returns once the label is durable.
 
+        Name the decision by ``decision_id`` (``DecideResponse.decision_id``) or, if only one decision
+        was made for it, by ``request_id``.
+
         Safe to retry with the same ``feedback_id`` (the answer then says ``duplicate``).
         """
         request = pb.FeedbackRequest(
-            request_id=request_id, label=label, feedback_id=feedback_id, source=source
+            request_id=request_id,
+            label=label,
+            feedback_id=feedback_id,
+            source=source,
+            decision_id=decision_id,
         )
         response: pb.FeedbackResponse = self._call(self._stub.Feedback, request, timeout_s, ())
         return response

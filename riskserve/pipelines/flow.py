@@ -65,6 +65,9 @@ class DecisionFlow:
         if time.monotonic() >= deadline:
             raise DeadlineExceeded("the decision's deadline passed while the models ran")
         ids = [r.request_id or uuid.uuid4().hex for r in requests]
+        # The decision's own id is the server's, never the caller's: a request_id is an echo, and two
+        # callers may send the same one (see riskserve.learning.feedback_log).
+        decision_ids = [uuid.uuid4().hex for _ in requests]
         responses = []
         for i, request_id in enumerate(ids):
             results = {name: per_model[name][i] for name in self._names}
@@ -75,6 +78,7 @@ class DecisionFlow:
             responses.append(
                 decide_response(
                     request_id=request_id,
+                    decision_id=decision_ids[i],
                     decision=decision,
                     results=results,
                     spec=self.spec,
@@ -82,7 +86,7 @@ class DecisionFlow:
                 )
             )
         if self.recorder is not None:
-            record_decisions(self.recorder, self.spec.name, ids, stage, per_model)
+            record_decisions(self.recorder, self.spec.name, decision_ids, ids, stage, per_model)
         self.metrics.decision_latency(time.perf_counter() - started)
         return responses
 

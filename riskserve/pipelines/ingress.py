@@ -60,9 +60,9 @@ class PipelineIngress:
         guarded: dict[str, GuardedModel] = {}
         for name, model in self._spec.models.items():
             if model.in_ingress:
+                settings = self._spec.runner_settings(name)
                 runner = ModelRunner(
-                    name, model.kind, dict(model.settings), columns, self._spec.model_columns(name),
-                    placement="ingress",
+                    name, model.kind, settings, columns, self._spec.model_columns(name), placement="ingress"
                 )  # fmt: skip
                 self._runners[name] = runner
                 endpoint: Any = LocalEndpoint(runner, serving.inline_rows)
@@ -189,9 +189,13 @@ class PipelineIngress:
     async def feedback(self, request: pb.FeedbackRequest) -> pb.FeedbackResponse:
         """Record the true outcome of a past decision; answered only once the label is durable.
 
+        The decision is ``decision_id`` (the id its Decide answer gave) or, for older clients, the one
+        decision made for ``request_id``.
+
         A retried ``feedback_id`` answers ``duplicate=true`` and is applied once. Errors: no such decision
         (NOT_FOUND), label not 0/1 or empty ids (INVALID_ARGUMENT, field named), the id reused for another
-        label (ABORTED), the source over its rate (RESOURCE_EXHAUSTED), the log unreachable (UNAVAILABLE),
+        label (ABORTED), a decision already labelled with the other value (ALREADY_EXISTS), the source
+        or all sources over their rate (RESOURCE_EXHAUSTED), the log unreachable (UNAVAILABLE),
         no feedback in this pipeline (UNIMPLEMENTED).
         """
         recorder = self._flow.recorder
@@ -207,7 +211,11 @@ class PipelineIngress:
             raise ModelUnavailable(f"the feedback log is unreachable: {error}") from error
         try:
             ack = await self._feedback.record_feedback.remote(
-                request.request_id, int(request.label), request.feedback_id, request.source
+                request.request_id,
+                int(request.label),
+                request.feedback_id,
+                request.source,
+                decision_id=request.decision_id,
             )
         except Exception as error:
             if isinstance(getattr(error, "cause", error), RiskServeError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import os
 import signal
@@ -41,6 +42,8 @@ __all__ = [
     "read_state",
     "up_local",
 ]
+
+logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
 LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -293,6 +296,13 @@ def _drain(specs: Sequence[PipelineSpec]) -> None:
     from riskserve.pipelines.publish import live_artifacts
 
     for spec in specs:
+        if spec.feedback is not None:  # no learner publish may follow (it would redeploy the pipeline)
+            try:
+                serve.get_deployment_handle("feedback", app_name=spec.name).fence.remote().result(
+                    timeout_s=DRAIN_S * 15
+                )
+            except Exception:
+                logger.exception("could not fence the learner of '%s'; draining anyway", spec.name)
         # What each model serves now (swapped or learned), never the YAML's: draining changes nothing else.
         app = build_application(spec, draining=True, artifacts=live_artifacts(spec))
         serve.run(app, name=spec.name, route_prefix=None)

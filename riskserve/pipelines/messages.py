@@ -21,6 +21,7 @@ def raw_request(request: pb.DecideRequest) -> RawRequest:
 def decide_response(
     *,
     request_id: str,
+    decision_id: str = "",
     decision: Decision,
     results: Mapping[str, ModelResult],
     spec: PipelineSpec,
@@ -29,6 +30,7 @@ def decide_response(
     """A ``DecideResponse`` with one ``ModelScore`` per model, in the pipeline's model order."""
     return pb.DecideResponse(
         request_id=request_id,
+        decision_id=decision_id,
         decision=decision.outcome,
         risk_score=decision.risk_score,
         models=[

@@ -27,20 +27,24 @@ logger = logging.getLogger(__name__)
 def record_decisions(
     recorder: DecisionRecorder,
     pipeline: str,
-    ids: Sequence[str],
+    decision_ids: Sequence[str],
+    request_ids: Sequence[str],
     stage: StageResult,
     per_model: dict[str, list[ModelResult]],
 ) -> None:
-    """Buffer one record per decision of the batch (the row is copied: the matrix may be shared)."""
+    """Buffer one record per decision of the batch, keyed by its server-issued id with the caller's
+    request id beside it (the row is copied: the matrix may be shared)."""
     matrix = stage.matrix
     if matrix is None:
-        logger.error("the feature stage returned no matrix to record; %d decisions not kept", len(ids))
-        recorder.dropped += len(ids)
+        logger.error(
+            "the feature stage returned no matrix to record; %d decisions not kept", len(decision_ids)
+        )
+        recorder.dropped += len(decision_ids)
         return
     columns = tuple(stage.columns)
     records = []
-    for i, request_id in enumerate(ids):
+    for i, (decision_id, request_id) in enumerate(zip(decision_ids, request_ids, strict=True)):
         versions = json.dumps({name: rows[i].version for name, rows in per_model.items()})
         features = np.array(matrix[i], dtype=np.float32)
-        records.append(DecisionRecord(request_id, pipeline, versions, features, columns))
+        records.append(DecisionRecord(decision_id, pipeline, versions, features, columns, request_id))
     recorder.add(records)

@@ -31,6 +31,7 @@ __all__ = [
     "PoolSpec",
     "RuleSpec",
     "ServingSpec",
+    "SigningSpec",
     "StageSpec",
     "load_pipeline",
     "parse_pipeline",
@@ -111,8 +112,8 @@ class OnlineLearningSpec(_Strict):
     interval_ms: float = Field(default=5000, gt=0)
     """A partial mini-batch is applied once its oldest label has waited this long."""
     holdout_every: int = Field(default=5, ge=0)
-    """One label in this many (chosen by a hash of its ``feedback_id``) validates instead of training;
-    0 holds nothing out."""
+    """One label in this many (chosen by an HMAC of its ``feedback_id`` under the install's secret key, so
+    a caller cannot pick which labels validate) validates instead of training; 0 holds nothing out."""
     holdout_window: int = Field(default=1000, ge=1)
     """The most recent held-out labels a candidate version is judged on."""
     min_holdout_rows: int = Field(default=50, ge=1)
@@ -125,12 +126,32 @@ class OnlineLearningSpec(_Strict):
     """Cap on the L2 norm of one mini-batch's change to (coefficients, intercept); a larger step is
     scaled down to it (a guard rail against poisoned labels; on the demo data an honest batch of 1,000
     labels moves about 0.03, a batch of 1,000 flipped labels about 0.7)."""
+    max_drift: float = Field(default=0.5, gt=0)
+    """Cap on the L2 norm of the TOTAL change of (coefficients, intercept) from the served baseline (the
+    version last adopted: the YAML's or a swap's), across every batch since. A candidate past it is not
+    served: learning pauses (labels stay pending), ``riskserve learning`` says why and the
+    ``riskserve_learning_paused`` gauge fires; a swap (adopting a reviewed version) resumes it."""
+    max_drift_logloss: float = Field(default=0.01, gt=0)
+    """Cap on the candidate's log-loss on the baseline's golden rows, scored against the baseline's own
+    probabilities, above the baseline's (the mean KL divergence from the baseline on a fixed reference
+    set): catches drift through the scaler, which the coefficient norm does not see. Past it: as
+    ``max_drift``."""
     update_scaler: bool = True
     """Whether mini-batches also update the scaler's running mean and variance."""
     artifact_dir: Path | None = None
     """Where learned versions are written (one verifiable artifact each); default: beside the log."""
     keep_versions: int = Field(default=50, ge=2)
     """Learned artifacts kept on disk (the serving one is always kept)."""
+
+
+class SigningSpec(_Strict):
+    """Ed25519 signatures on model artifacts: every artifact a model loads (the YAML's, a swap candidate)
+    must carry ``manifest.json.sig`` made with the private half of ``public_key``; it is checked before
+    anything of the artifact is read. An online model's learned versions (written by the server in its
+    own directory) are exempt."""
+
+    public_key: Path
+    """PEM file of the Ed25519 public key (``openssl pkey -in key.pem -pubout``); relative to the YAML."""
 
 
 class FeedbackSpec(_Strict):
@@ -141,9 +162,14 @@ class FeedbackSpec(_Strict):
     retention_hours: float = Field(default=168, gt=0)
     """How long a decision's features are kept for a label to be joined to them."""
     source_rate_per_s: float = Field(default=50, gt=0)
-    """Labels per second one source (``FeedbackRequest.source``) may send, on average."""
+    """Labels per second one source (the caller's identity when the front door authenticates, else
+    ``FeedbackRequest.source``) may send, on average."""
     source_burst: int = Field(default=500, ge=1)
     """Labels one source may send at once before its rate applies."""
+    total_rate_per_s: float = Field(default=200, gt=0)
+    """Labels per second ALL sources together may send: inventing sources does not buy more labels."""
+    total_burst: int = Field(default=2000, ge=1)
+    """Labels all sources together may send at once before ``total_rate_per_s`` applies."""
     flush_ms: float = Field(default=50, gt=0, le=10_000)
     """Decisions are buffered in the ingress and written to the log in one commit this often."""
     buffer_rows: int = Field(default=100_000, ge=1)
@@ -331,6 +357,12 @@ class PipelineSpec(_Strict):
     """OpenTelemetry export: ``none`` (ids only), ``console``, ``file`` (JSON lines) or ``otlp``."""
     feedback: FeedbackSpec | None = None
     """Keep decisions and accept labels (the ``Feedback`` RPC) for online learning."""
+    signing: SigningSpec | None = None
+    """Require Ed25519-signed artifact manifests (see :class:`SigningSpec`); default: checksums only."""
+    models_root: Path | None = None
+    """The only directory ``riskserve swap`` takes candidates from (symlinks resolved); a model's own
+    YAML artifact and its learned versions are always accepted. Default: the directory that holds the
+    model's YAML artifact (``models/`` for ``models/fraud``). A relative path is relative to the YAML."""
     base_dir: Path = Field(default=Path("."), exclude=True)
     """Directory relative artifact paths are resolved against (the YAML file's; not written in YAML)."""
 
@@ -341,6 +373,23 @@ class PipelineSpec(_Strict):
     def artifact_path(self, model: str) -> Path:
         """Absolute artifact directory of a model."""
         return self._relative(self.models[model].artifact)
+
+    def runner_settings(self, model: str) -> dict[str, Any]:
+        """The settings a model's runner loads it with: the YAML's, plus the signature requirement."""
+        settings = dict(self.models[model].settings)
+        if self.signing is not None:
+            from riskserve.platform.artifacts import load_public_key
+
+            settings["manifest_public_key"] = load_public_key(self._relative(self.signing.public_key)).hex()
+            if self.models[model].online is not None:
+                settings["unsigned_root"] = str(self.learned_dir(model))
+        return settings
+
+    def candidate_root(self, model: str) -> Path:
+        """Absolute directory swap candidates of ``model`` must be inside (see ``models_root``)."""
+        if self.models_root is not None:
+            return self._relative(self.models_root)
+        return self.artifact_path(model).parent
 
     def feedback_log_path(self) -> Path:
         """Absolute path of the feedback log (the pipeline must have ``feedback``)."""
@@ -385,6 +434,10 @@ class PipelineSpec(_Strict):
                 data["models"][name]["online"]["artifact_dir"] = str(self.learned_dir(name))
         if self.tracing.file_path is not None:
             data["tracing"]["file_path"] = str(self._relative(self.tracing.file_path))
+        if self.models_root is not None:
+            data["models_root"] = str(self._relative(self.models_root))
+        if self.signing is not None:
+            data["signing"]["public_key"] = str(self._relative(self.signing.public_key))
         return data
 
 

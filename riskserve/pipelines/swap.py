@@ -4,7 +4,10 @@
 same columns and labels, golden rows finite, in [0, 1], not constant and equal to the stored outputs),
 then redeploys the pipeline with the new artifact as the model's Serve ``user_config``: Serve calls
 ``reconfigure`` on the running replicas, which flip to the candidate atomically; calls in flight finish on
-the old version. Only one swap of a model runs at a time; a second one gets ``Conflict`` (ABORTED).
+the old version. Only one swap of a pipeline runs at a time; a second one gets ``Conflict`` (ABORTED). In a
+pipeline with a feedback service the publish itself runs inside that service, under the same lock as the
+learner's publishes, as a compare-and-set on the version the candidate was verified against; the learner
+adopts the candidate only after every replica serves it, so a refused swap never takes effect later.
 Each pipeline's artifact history is kept beside the local state, so ``rollback_model`` returns to the
 previous one.
 """
@@ -22,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from riskserve.pipelines.local import LocalState, connected, read_state, state_dir
-from riskserve.pipelines.publish import model_status, publish_artifacts
+from riskserve.pipelines.publish import model_status, publish_checked
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import Conflict, InvalidInput, ModelLoadError, NotFound, RiskServeError
-from riskserve.platform.runner import ModelStatus
 
 __all__ = [
     "SwapResult",
+    "admit_candidate",
     "artifact_overrides",
     "learning_status",
     "rollback",
@@ -75,16 +78,16 @@ def artifact_overrides(pipeline: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _exclusive(pipeline: str, model: str) -> Iterator[None]:
+def _exclusive(pipeline: str) -> Iterator[None]:
+    """One swap per pipeline at a time: a publish reads every model's artifact, so two swaps of different
+    models of one pipeline would undo each other too."""
     directory = state_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    with (directory / f"swap-{pipeline}-{model}.lock").open("w") as handle:
+    with (directory / f"swap-{pipeline}.lock").open("w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise Conflict(
-                f"a swap of {pipeline}/{model} is already running; try again when it ends"
-            ) from None
+            raise Conflict(f"a swap in {pipeline} is already running; try again when it ends") from None
         try:
             yield
         finally:
@@ -96,25 +99,47 @@ def _cause(error: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else error
 
 
-def _serving(spec: PipelineSpec, model: str, probes: int) -> list[ModelStatus]:
-    return [model_status(spec, model) for _ in range(probes)]
+def admit_candidate(spec: PipelineSpec, model: str, artifact: Path | str) -> Path:
+    """The candidate's real path, if ``model`` may be swapped to it: inside the pipeline's models root
+    (symlinks resolved, so a link out of the root does not count), its YAML artifact, or one of its
+    learned versions.
+
+    Raises:
+        NotFound: no such model or no such directory.
+        InvalidInput: the candidate is elsewhere (field ``artifact``).
+    """
+    if model not in spec.models:
+        raise NotFound(f"pipeline '{spec.name}' has no model '{model}' (models: {', '.join(spec.models)})")
+    try:
+        path = Path(artifact).resolve(strict=True)
+    except OSError as error:
+        raise NotFound(f"no candidate artifact at {artifact}: {error}") from error
+    roots = [spec.candidate_root(model).resolve()]
+    if spec.models[model].online is not None:
+        roots.append(spec.learned_dir(model).resolve())
+    if path == spec.artifact_path(model).resolve() or any(root in path.parents for root in roots):
+        return path
+    raise InvalidInput(
+        f"{path} is outside the models root {roots[0]} (set 'models_root' in the pipeline YAML to swap "
+        "from elsewhere)",
+        field="artifact",
+    )
 
 
 def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
     """Verify ``artifact`` and make it the serving version of ``model`` (Ray must be connected).
 
     Raises:
-        NotFound: no such model.
-        Conflict: another swap of this model is running.
-        ModelLoadError: the candidate failed a check; the old version keeps serving.
+        NotFound: no such model or candidate. InvalidInput: the candidate is outside the models root.
+        Conflict: another swap of this pipeline is running, or another publish changed the model while
+            the candidate was verified.
+        ModelLoadError: the candidate failed a check, or a replica refused it; the old version serves.
     """
     from ray import serve
 
     pipeline = spec.name
-    if model not in spec.models:
-        raise NotFound(f"pipeline '{pipeline}' has no model '{model}' (models: {', '.join(spec.models)})")
-    path = str(Path(artifact).resolve())
-    with _exclusive(pipeline, model):
+    path = str(admit_candidate(spec, model, artifact))
+    with _exclusive(pipeline):
         ingress = serve.get_deployment_handle("ingress", app_name=pipeline)
         serving = model_status(spec, model)
         old_version, old_artifact = str(serving.version), serving.artifact
@@ -131,16 +156,7 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
         if not previous or previous[-1] != old_artifact:  # e.g. a version the online learner published
             previous = [*previous, old_artifact]
         started = time.monotonic()
-        _adopt(spec, model, path)
-        publish_artifacts(spec, {model: path})
-        model_spec = spec.models[model]
-        replicas = spec.serving.ingress.replicas if model_spec.in_ingress else model_spec.replicas
-        answers = _serving(spec, model, probes=3 * replicas)
-        stale = [a for a in answers if a.version != candidate.version]
-        if stale:  # a replica refused the flip: put the previous artifact back everywhere
-            _adopt(spec, model, old_artifact)
-            publish_artifacts(spec, {model: old_artifact})
-            raise ModelLoadError(f"a replica refused the swap ({stale[0].last_swap_error}); rolled back")
+        _publish(spec, model, path, str(candidate.version), old_version, old_artifact)
         models[model] = [*previous, path]
         _save_history(history)
         return SwapResult(
@@ -148,14 +164,21 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
         )
 
 
-def _adopt(spec: PipelineSpec, model: str, artifact: str) -> None:
-    """Tell the online learner (if the model learns) to train later labels on ``artifact``."""
-    if spec.models[model].online is None:
+def _publish(spec: PipelineSpec, model: str, artifact: str, version: str, expected: str, old: str) -> None:
+    """Publish a verified candidate through the pipeline's one publisher (see the module docstring)."""
+    if spec.feedback is None:  # no learner: this process is the only publisher, under _exclusive
+        publish_checked(spec, model, artifact, version, old)
         return
     from ray import serve
 
     feedback = serve.get_deployment_handle("feedback", app_name=spec.name)
-    feedback.adopt.remote(model, artifact).result()
+    try:
+        feedback.swap.remote(model, artifact, version, expected).result()
+    except Exception as error:
+        cause = _cause(error)
+        if isinstance(cause, RiskServeError):
+            raise cause from error
+        raise
 
 
 def rollback(spec: PipelineSpec, model: str) -> SwapResult:

@@ -3,10 +3,18 @@
 Every backend stores its model this way, so verifying an artifact before it is served is one function
 (:func:`open_artifact`) and a model's version is always the content hash of its model files.
 No artifact format here can execute code when it is read: there is no pickle anywhere.
+
+Checksums prove integrity, not origin. With a public key (a pipeline's ``signing.public_key``) the
+manifest must also carry an Ed25519 signature (``manifest.json.sig``: the base64 signature of the
+manifest's exact bytes, made by :func:`sign_manifest`); the manifest is read once, its signature checked
+on those bytes, and only then are they parsed and the files hashed, so nothing of an unsigned or
+re-signed artifact is used.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import os
@@ -21,18 +29,23 @@ from riskserve.platform.errors import ArtifactIntegrityError
 
 __all__ = [
     "MANIFEST_NAME",
+    "SIGNATURE_NAME",
     "Artifact",
     "ArtifactManifest",
     "FileEntry",
     "content_version",
     "default_cache_dir",
+    "load_public_key",
     "open_artifact",
     "sha256_bytes",
     "sha256_file",
+    "sign_manifest",
     "write_manifest",
 ]
 
 MANIFEST_NAME = "manifest.json"
+SIGNATURE_NAME = "manifest.json.sig"
+"""The base64 Ed25519 signature of ``manifest.json``'s bytes, beside it."""
 FORMAT_VERSION: Literal[1] = 1
 _CHUNK = 1 << 20
 
@@ -141,18 +154,26 @@ def _check_file(root: Path, name: str, entry: FileEntry) -> None:
         )
 
 
-def open_artifact(root: Path | str, *, kind: str) -> Artifact:
-    """Read and verify an artifact: manifest schema, kind, and every file's size and sha256.
+def open_artifact(root: Path | str, *, kind: str, public_key: bytes | None = None) -> Artifact:
+    """Read and verify an artifact: its signature (with ``public_key``: raw 32-byte Ed25519), manifest
+    schema, kind, and every file's size and sha256.
 
     Raises:
-        ArtifactIntegrityError: anything is missing, malformed, of another kind, or does not match.
+        ArtifactIntegrityError: anything is missing, malformed, unsigned or badly signed, of another
+            kind, or does not match.
     """
     root = Path(root)
     manifest_path = root / MANIFEST_NAME
     try:
-        raw = manifest_path.read_text()
+        data = manifest_path.read_bytes()  # once: the bytes whose signature is checked are those parsed
     except OSError as error:
         raise ArtifactIntegrityError(f"{root}: cannot read {MANIFEST_NAME}: {error}") from error
+    if public_key is not None:
+        _check_signature(root, data, public_key)
+    try:
+        raw = data.decode()
+    except UnicodeDecodeError as error:
+        raise ArtifactIntegrityError(f"{manifest_path}: not UTF-8: {error}") from error
     try:
         manifest = ArtifactManifest.model_validate_json(raw)
     except ValidationError as error:
@@ -162,6 +183,57 @@ def open_artifact(root: Path | str, *, kind: str) -> Artifact:
     for name, entry in manifest.files.items():
         _check_file(root, name, entry)
     return Artifact(root, manifest)
+
+
+def _check_signature(root: Path, manifest: bytes, public_key: bytes) -> None:
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    try:
+        signature = base64.b64decode((root / SIGNATURE_NAME).read_bytes().strip(), validate=True)
+    except OSError as error:
+        raise ArtifactIntegrityError(f"{root}: unsigned: cannot read {SIGNATURE_NAME}: {error}") from error
+    except binascii.Error as error:
+        raise ArtifactIntegrityError(f"{root / SIGNATURE_NAME}: not base64: {error}") from error
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, manifest)
+    except (InvalidSignature, ValueError) as error:
+        raise ArtifactIntegrityError(
+            f"{root}: the signature of {MANIFEST_NAME} does not verify with the pipeline's key"
+        ) from error
+
+
+def load_public_key(path: Path | str) -> bytes:
+    """The raw 32 bytes of an Ed25519 public key in a PEM file (``openssl pkey -pubout``).
+
+    Raises:
+        ConfigError: the file cannot be read or is not an Ed25519 public key.
+    """
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_public_key
+
+    from riskserve.platform.errors import ConfigError
+
+    try:
+        key = load_pem_public_key(Path(path).read_bytes())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}: cannot read an Ed25519 public key: {error}") from error
+    if not isinstance(key, Ed25519PublicKey):
+        raise ConfigError(f"{path}: not an Ed25519 public key ({type(key).__name__})")
+    return key.public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def sign_manifest(root: Path | str, private_key_pem: bytes) -> None:
+    """Sign ``root/manifest.json`` with an Ed25519 private key (unencrypted PEM) into its ``.sig`` file."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    key = load_pem_private_key(private_key_pem, password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise TypeError(f"not an Ed25519 private key ({type(key).__name__})")
+    root = Path(root)
+    signature = key.sign((root / MANIFEST_NAME).read_bytes())
+    (root / SIGNATURE_NAME).write_bytes(base64.b64encode(signature) + b"\n")
 
 
 def write_manifest(

@@ -31,6 +31,22 @@ class ModelSettings(_Schema):
     """The model's name in a pipeline, used in metrics, traces and responses."""
     artifact: Path
     """Directory holding the artifact files and their ``manifest.json``."""
+    manifest_public_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """Hex of the raw Ed25519 key the manifest must be signed with (set by the platform from the
+    pipeline's ``signing`` section, not written by hand); ``None``: no signature needed."""
+    unsigned_root: Path | None = None
+    """Artifacts under this directory are the server's own (an online model's learned versions) and need
+    no signature."""
+
+    def manifest_key(self) -> bytes | None:
+        """The key ``artifact``'s manifest must be signed with, or ``None``."""
+        if self.manifest_public_key is None:
+            return None
+        if self.unsigned_root is not None:
+            root, artifact = self.unsigned_root.resolve(), self.artifact.resolve()
+            if root in artifact.parents:
+                return None
+        return bytes.fromhex(self.manifest_public_key)
 
 
 @dataclass(frozen=True)

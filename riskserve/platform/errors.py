@@ -13,6 +13,7 @@
     │   └── InlineBusy             UNAVAILABLE        (inline predict refused: the engine is busy)
     ├── Overloaded                 RESOURCE_EXHAUSTED
     ├── DeadlineExceeded           DEADLINE_EXCEEDED
+    ├── AlreadyExists              ALREADY_EXISTS     (a decision already has a label of another value)
     └── Conflict                   ABORTED            (a concurrent operation already runs)
 
 The gRPC layer turns any of them into ``context.abort(error.grpc_status, str(error))`` in one place.
@@ -25,6 +26,7 @@ from typing import Any, ClassVar
 import grpc
 
 __all__ = [
+    "AlreadyExists",
     "ArtifactIntegrityError",
     "ConfigError",
     "Conflict",
@@ -129,3 +131,10 @@ class Conflict(RiskServeError):
     """Another operation on the same object is already running (for example two swaps at once)."""
 
     grpc_status = grpc.StatusCode.ABORTED
+
+
+class AlreadyExists(RiskServeError):
+    """The thing a call would create exists already with another value (a second, different label for
+    one decision); retrying cannot succeed, so it is not ``ABORTED``."""
+
+    grpc_status = grpc.StatusCode.ALREADY_EXISTS

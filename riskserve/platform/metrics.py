@@ -33,6 +33,12 @@ Pipeline level (tag ``pipeline``)::
     ray_riskserve_decision_latency_seconds_*{pipeline}
     ray_riskserve_feature_latency_seconds_*{pipeline}
 
+Online learning (tags ``pipeline`` and ``model`` or ``reason``; recorded by the feedback service)::
+
+    ray_riskserve_labels_refused_total{pipeline,reason}             relabel | source_rate | total_rate
+    ray_riskserve_learning_paused{pipeline,model}                   1 paused (drift bound reached), 0 not
+    ray_riskserve_learning_drift{pipeline,model}                    L2 drift of the serving version
+
 Callers stay one-liners::
 
     metrics = ModelMetrics("fraud", "treelite")
@@ -88,7 +94,11 @@ __all__ = [
     "FALLBACK_REASONS",
     "FEATURE_LATENCY",
     "INVALID_REQUESTS",
+    "LABELS_REFUSED",
+    "LABEL_REFUSALS",
     "LATENCY_BUCKETS_S",
+    "LEARNING_DRIFT",
+    "LEARNING_PAUSED",
     "MODEL_BATCH_ROWS",
     "MODEL_BREAKER_STATE",
     "MODEL_ERRORS",
@@ -100,6 +110,8 @@ __all__ = [
     "REPORT_INTERVAL_ENV",
     "DecisionOutcome",
     "FallbackReason",
+    "LabelRefusal",
+    "LearningMetrics",
     "MetricSpec",
     "MetricType",
     "ModelMetrics",
@@ -155,6 +167,11 @@ DecisionOutcome = Literal["APPROVE", "REVIEW", "DECLINE"]
 """A pipeline's decision."""
 
 DECISION_OUTCOMES: Final[tuple[DecisionOutcome, ...]] = ("APPROVE", "REVIEW", "DECLINE")
+
+LabelRefusal = Literal["relabel", "source_rate", "total_rate"]
+"""Why a label was refused: the decision has another label, its source or all sources are over rate."""
+
+LABEL_REFUSALS: Final[tuple[LabelRefusal, ...]] = ("relabel", "source_rate", "total_rate")
 
 BREAKER_STATE_VALUES: Final[Mapping[str, int]] = {"closed": 0, "half_open": 1, "open": 2}
 """Gauge value of each circuit-breaker state (the values of ``riskserve.platform.breaker.BreakerState``)."""
@@ -265,6 +282,26 @@ FEATURE_LATENCY: Final = MetricSpec(
     LATENCY_BUCKETS_S,
 )
 
+LABELS_REFUSED: Final = MetricSpec(
+    "riskserve_labels_refused",
+    "counter",
+    "Labels the feedback service refused: relabel (the decision has a label of the other value), "
+    "source_rate, total_rate.",
+    ("pipeline", "reason"),
+)
+LEARNING_PAUSED: Final = MetricSpec(
+    "riskserve_learning_paused",
+    "gauge",
+    "1 while an online model's learning is paused (its drift bound was reached; an alert), else 0.",
+    ("pipeline", "model"),
+)
+LEARNING_DRIFT: Final = MetricSpec(
+    "riskserve_learning_drift",
+    "gauge",
+    "L2 norm of the serving online version's coefficient change from its served baseline.",
+    ("pipeline", "model"),
+)
+
 ALL_METRICS: Final[tuple[MetricSpec, ...]] = (
     MODEL_REQUESTS,
     MODEL_ERRORS,
@@ -278,6 +315,9 @@ ALL_METRICS: Final[tuple[MetricSpec, ...]] = (
     INVALID_REQUESTS,
     DECISION_LATENCY,
     FEATURE_LATENCY,
+    LABELS_REFUSED,
+    LEARNING_PAUSED,
+    LEARNING_DRIFT,
 )
 
 _Tags = tuple[tuple[str, str], ...]
@@ -667,6 +707,30 @@ class PipelineMetrics:
     def feature_latency(self, seconds: float) -> None:
         """Time of the feature stage for one decision call."""
         _registry().add(FEATURE_LATENCY, (("pipeline", self.pipeline),), seconds, 1.0)
+
+
+class LearningMetrics:
+    """The online-learning metrics of one pipeline, recorded by its feedback service."""
+
+    def __init__(self, pipeline: str) -> None:
+        """``pipeline``: the pipeline's name."""
+        self.pipeline = pipeline
+
+    def __repr__(self) -> str:
+        return f"LearningMetrics(pipeline={self.pipeline!r})"
+
+    def refused(self, reason: LabelRefusal) -> None:
+        """One label refused for ``reason``."""
+        if reason not in LABEL_REFUSALS:
+            raise ValueError(f"unknown refusal {reason!r}; expected one of {list(LABEL_REFUSALS)}")
+        _registry().inc(LABELS_REFUSED, {"pipeline": self.pipeline, "reason": reason})
+
+    def learning_state(self, model: str, *, paused: bool, drift: float) -> None:
+        """Whether ``model``'s learning is paused, and its serving version's drift from the baseline."""
+        tags = {"pipeline": self.pipeline, "model": model}
+        registry = _registry()
+        registry.set_gauge(LEARNING_PAUSED, tags, 1.0 if paused else 0.0)
+        registry.set_gauge(LEARNING_DRIFT, tags, drift)
 
 
 def _nodes() -> list[dict[str, Any]]:

@@ -57,7 +57,13 @@ class FaultInjectingModel(BaseModel[Any, FaultInjectionSettings]):
         from riskserve.wrappers import backend
 
         model_class, settings_class = backend(settings.inner_kind)
-        inner = {"name": settings.name, "artifact": settings.artifact, **settings.inner}
+        inner = {
+            "name": settings.name,
+            "artifact": settings.artifact,
+            "manifest_public_key": settings.manifest_public_key,
+            "unsigned_root": settings.unsigned_root,
+            **settings.inner,
+        }
         self.inner: BaseModel[Any, Any] = model_class(settings_class.model_validate(inner))
 
     def faults(self) -> Faults:

@@ -281,7 +281,10 @@ class SklearnModel(BaseModel[FeatureMatrix, SklearnSettings]):
         return current
 
     async def load(self) -> None:
-        artifact, snapshot = await asyncio.to_thread(load_sklearn_artifact, self.settings.artifact)
+        settings = self.settings
+        artifact, snapshot = await asyncio.to_thread(
+            load_sklearn_artifact, settings.artifact, public_key=settings.manifest_key()
+        )
         self._artifact = artifact
         self._feature_names = list(artifact.manifest.feature_names)
         self._publish(snapshot)
@@ -407,9 +410,12 @@ def train_step(
     return LinearSnapshot.from_params(params)
 
 
-def load_sklearn_artifact(path: Path | str) -> tuple[Artifact, LinearSnapshot]:
-    """Open and verify an artifact (checksums, canonical parameters, width, golden set) and its snapshot."""
-    artifact = open_artifact(path, kind="sklearn")
+def load_sklearn_artifact(
+    path: Path | str, *, public_key: bytes | None = None
+) -> tuple[Artifact, LinearSnapshot]:
+    """Open and verify an artifact (signature with ``public_key``, checksums, canonical parameters,
+    width, golden set) and its snapshot."""
+    artifact = open_artifact(path, kind="sklearn", public_key=public_key)
     try:
         params = LinearParams.model_validate_json(artifact.path(PARAMS_FILE).read_bytes())
     except ValidationError as error:

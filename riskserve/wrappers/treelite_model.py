@@ -9,8 +9,18 @@ Compilation runs in a child process: the Treelite 4.1.2 bundled in tl2cgen 1.0.0
 notice straight to the C stderr (no Python warning, no callback to route it), tl2cgen prints its progress to
 stdout, and gcc may hang or crash; in a child all of that is captured and logged, and a timeout can kill it.
 A library is published by renaming its build directory (with ``build.json``: size and sha256) into the
-cache, so a crash mid-compile never leaves a half library, and a cached library is checked against
-``build.json`` before it is opened, because ``dlopen`` of a truncated library kills the process (SIGBUS).
+cache, so a crash mid-compile never leaves a half library. ``dlopen`` runs the library's code, so nothing is
+opened that was not checked first, and what is opened is exactly what was checked:
+
+- the cache is private: its directory is made (or tightened to) 0700 and must belong to this user, each
+  entry is 0700 with 0600 files, and ``build.json`` carries an HMAC under the cache's own install secret
+  (``.key``, 0600), so a record (and the hash in it) this process did not write is refused;
+- the library's bytes are read ONCE, their size and sha256 compared with the record, and those bytes
+  written to a fresh private file (0600 in a 0700 ``.load-*`` directory) that is what ``dlopen`` opens
+  and is deleted once loaded: swapping the cached file after the check changes nothing (no TOCTOU). A
+  fresh compile is loaded the same way, and its record names the hash of the bytes that were loaded.
+
+A library that fails the size check would crash ``dlopen`` (SIGBUS), so the check also keeps the process up.
 
 Without a working compiler the model can fall back to Treelite's GTIL interpreter and says so in
 ``details()``. A tl2cgen predictor may be called by one thread at a time, so every call holds a lock.
@@ -22,6 +32,8 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -52,11 +64,11 @@ from riskserve.platform.artifacts import (
     default_cache_dir,
     open_artifact,
     sha256_bytes,
-    sha256_file,
     write_manifest,
 )
 from riskserve.platform.base_model import BaseModel, ModelOutput, ModelSettings
-from riskserve.platform.errors import InlineBusy, InvalidInput, ModelLoadError, ModelUnavailable
+from riskserve.platform.errors import ConfigError, InlineBusy, InvalidInput, ModelLoadError, ModelUnavailable
+from riskserve.platform.secret import install_secret
 from riskserve.platform.validation import FeatureMatrix, check_feature_matrix
 
 __all__ = [
@@ -147,6 +159,21 @@ class _BuildRecord(_Schema):
     """Size of the library in bytes."""
     compile_seconds: float = Field(ge=0)
     """Wall time of the compile that produced it."""
+    mac: str = ""
+    """HMAC-SHA256 of the other fields under the cache's install secret: the record is this process's
+    (or another process of this user's) own, not one planted in the cache."""
+
+    def signed(self, key: bytes) -> _BuildRecord:
+        """This record with its ``mac``."""
+        return self.model_copy(update={"mac": self._mac(key)})
+
+    def authentic(self, key: bytes) -> bool:
+        """Whether ``mac`` was made with ``key`` over these fields (constant-time comparison)."""
+        return bool(self.mac) and hmac.compare_digest(self.mac, self._mac(key))
+
+    def _mac(self, key: bytes) -> str:
+        payload = self.model_dump_json(exclude={"mac"}).encode()
+        return hmac.new(key, payload, hashlib.sha256).hexdigest()
 
 
 @dataclass
@@ -350,7 +377,7 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
     def _load_blocking(self) -> _Engine:
         started = time.perf_counter()
         settings = self.settings
-        artifact = open_artifact(settings.artifact, kind="treelite")
+        artifact = open_artifact(settings.artifact, kind="treelite", public_key=settings.manifest_key())
         feature_names = list(artifact.manifest.feature_names)
         if not feature_names:
             raise ModelLoadError(f"{artifact.root}: the manifest lists no feature names")
@@ -400,9 +427,14 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
             "fallback_reason": None,
             "cache_rejected": None,
         }
-        run = self._prepare_engine(artifact, model_file, raw, check_x, reference, details)
-        details["gate"]["golden_rows"] = 0 if golden is None else int(golden[0].shape[0])
-        direct = _direct_rows(details, len(feature_names), run, check_x)
+        try:
+            run = self._prepare_engine(artifact, model_file, raw, check_x, reference, details)
+            details["gate"]["golden_rows"] = 0 if golden is None else int(golden[0].shape[0])
+            direct = _direct_rows(details, len(feature_names), run, check_x)
+        finally:  # dlopen holds the mapping: the private copy's name is not needed once it is loaded
+            copy = details.pop("_loaded_copy", None)
+            if copy is not None:
+                shutil.rmtree(Path(copy).parent, ignore_errors=True)
         details["load_seconds"] = round(time.perf_counter() - started, 4)
         logger.info(
             "model '%s' version %s loaded with %s in %.2fs (compiled=%s, cache_hit=%s)",
@@ -434,14 +466,20 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
         key_dir = cache_dir / key
         details.update(compiled=False, cache_hit=False, library=None, compile_seconds=None)
         try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
+            secret = _private_cache(cache_dir)
             lock_context = _cache_lock(cache_dir / f".{key}.lock")
-        except OSError as error:
+        except (OSError, ConfigError) as error:
             raise ModelLoadError(f"cannot use the library cache {cache_dir}: {error}") from error
         with lock_context:
             if key_dir.exists():
                 cached = self._open_cached(
-                    key_dir, artifact.version, len(artifact.manifest.feature_names), check_x, reference
+                    key_dir,
+                    artifact.version,
+                    len(artifact.manifest.feature_names),
+                    check_x,
+                    reference,
+                    secret,
+                    details,
                 )
                 if isinstance(cached, str):
                     logger.warning("rejected cached library %s: %s; recompiling", key_dir, cached)
@@ -469,9 +507,10 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
                 )
             build_dir = compiled.build_dir
             try:
-                opened = _open_predictor(
-                    build_dir / LIBRARY_NAME, settings.nthread, len(artifact.manifest.feature_names)
-                )
+                data = (build_dir / LIBRARY_NAME).read_bytes()  # once: what is loaded is what is recorded
+                copy = _private_copy(data, cache_dir)
+                details["_loaded_copy"] = str(copy)
+                opened = _open_predictor(copy, settings.nthread, len(artifact.manifest.feature_names))
                 diff = _max_abs_diff(_run_raw(opened, check_x), reference)
                 if diff > settings.max_abs_diff:
                     raise ModelLoadError(
@@ -479,7 +518,15 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
                         f"(max abs diff {diff:.3g} > {settings.max_abs_diff:g}); refusing version "
                         f"{artifact.version}"
                     )
-                _publish(build_dir, key_dir, artifact.version, settings.toolchain, compiled.seconds)
+                record = _BuildRecord(
+                    artifact_version=artifact.version,
+                    tl2cgen_version=tl2cgen.__version__,
+                    toolchain=settings.toolchain,
+                    library_sha256=sha256_bytes(data),
+                    library_bytes=len(data),
+                    compile_seconds=round(compiled.seconds, 3),
+                )
+                _publish(build_dir, key_dir, record.signed(secret))
             except BaseException:
                 shutil.rmtree(build_dir, ignore_errors=True)
                 raise
@@ -494,23 +541,31 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
         n_features: int,
         check_x: FeatureMatrix,
         reference: NDArray[np.float64],
+        secret: bytes,
+        details: dict[str, Any],
     ) -> tuple[Callable[[FeatureMatrix], Any], float] | str:
-        """The cached library and its gate diff, or why it cannot be used (then the caller deletes it)."""
+        """The cached library and its gate diff, or why it cannot be used (then the caller deletes it).
+
+        Opened from a private copy of the bytes that were hashed (``details["_loaded_copy"]``)."""
         library = key_dir / LIBRARY_NAME
         try:
             record = _BuildRecord.model_validate_json((key_dir / _BUILD_RECORD).read_text())
+            if not record.authentic(secret):
+                return f"{_BUILD_RECORD} was not written by riskserve for this cache (no valid HMAC)"
             built_for = (record.artifact_version, record.tl2cgen_version, record.toolchain)
             wanted = (version, tl2cgen.__version__, self.settings.toolchain)
             if built_for != wanted:
                 return f"{_BUILD_RECORD} describes {built_for}, expected {wanted}"
-            size = library.stat().st_size
             # Check before dlopen: a truncated library crashes the process instead of raising.
-            if size != record.library_bytes or sha256_file(library) != record.library_sha256:
+            data = _read_once(library, record.library_bytes)
+            if len(data) != record.library_bytes or sha256_bytes(data) != record.library_sha256:
                 return f"{LIBRARY_NAME} does not match {_BUILD_RECORD} (truncated or modified)"
+            copy = _private_copy(data, key_dir.parent)
         except (OSError, ValidationError) as error:
             return f"incomplete cache entry: {error}"
+        details["_loaded_copy"] = str(copy)
         try:
-            run = _open_predictor(library, self.settings.nthread, n_features)
+            run = _open_predictor(copy, self.settings.nthread, n_features)
             diff = _max_abs_diff(_run_raw(run, check_x), reference)
         except ModelLoadError as error:
             return str(error)
@@ -627,10 +682,10 @@ def _direct_rows(
 ) -> _DirectRows | None:
     """The per-row path of a compiled library, if it scores the check batch exactly as the predictor."""
     details["direct_rows"] = False
-    if details.get("engine") != "tl2cgen" or not details.get("library"):
+    if details.get("engine") != "tl2cgen" or not details.get("_loaded_copy"):
         return None
     try:
-        direct = _DirectRows(Path(details["library"]), n_features)
+        direct = _DirectRows(Path(details["_loaded_copy"]), n_features)
         same = np.array_equal(direct.predict(check_x, with_missing=True), _run_raw(run, check_x))
     except (OSError, AttributeError, ModelLoadError) as error:
         details["direct_rows_refused"] = str(error)
@@ -691,26 +746,56 @@ def _open_predictor(library: Path, nthread: int, n_features: int) -> Callable[[F
     return run
 
 
-def _publish(build_dir: Path, key_dir: Path, version: str, toolchain: str, seconds: float) -> None:
-    """Write ``build.json`` and rename the whole build directory into place: it appears complete or not."""
+def _publish(build_dir: Path, key_dir: Path, record: _BuildRecord) -> None:
+    """Write the signed ``build.json`` and rename the whole build directory into place: it appears
+    complete or not, owner-only (0700 directory, 0600 files)."""
     library = build_dir / LIBRARY_NAME
-    record = _BuildRecord(
-        artifact_version=version,
-        tl2cgen_version=tl2cgen.__version__,
-        toolchain=toolchain,
-        library_sha256=sha256_file(library),
-        library_bytes=library.stat().st_size,
-        compile_seconds=round(seconds, 3),
-    )
     try:
         (build_dir / _BUILD_RECORD).write_text(record.model_dump_json(indent=2) + "\n")
+        for path in build_dir.iterdir():
+            if path.is_file():
+                path.chmod(0o600)
         for path in (library, build_dir / _BUILD_RECORD):
             with path.open("rb") as handle:
                 os.fsync(handle.fileno())
-        build_dir.chmod(0o755)  # mkdtemp makes it 0700; other users of a shared cache read it too
+        build_dir.chmod(0o700)  # mkdtemp makes it 0700 already; said here because it is the point
         os.rename(build_dir, key_dir)
     except OSError as error:
         raise ModelLoadError(f"cannot publish the compiled library to {key_dir}: {error}") from error
+
+
+def _private_cache(cache_dir: Path) -> bytes:
+    """Make ``cache_dir`` owner-only (0700) and return its install secret (``.key``, 0600).
+
+    Raises:
+        ConfigError: the directory belongs to another user (its contents cannot be trusted), or the
+            secret is not private.
+    """
+    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.stat(cache_dir)
+    if info.st_uid != os.geteuid():
+        raise ConfigError(f"{cache_dir} belongs to uid {info.st_uid}, not this user; use a cache of your own")
+    if info.st_mode & 0o077:
+        cache_dir.chmod(0o700)
+    return install_secret(cache_dir / ".key")
+
+
+def _read_once(library: Path, expected_bytes: int) -> bytes:
+    """The library's bytes, read through one descriptor (no symlink followed), at most one byte past
+    ``expected_bytes`` (a longer file is refused without reading it all)."""
+    fd = os.open(library, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read(expected_bytes + 1)
+
+
+def _private_copy(data: bytes, cache_dir: Path) -> Path:
+    """Write checked library bytes to a fresh owner-only file (0600 in a 0700 directory) to ``dlopen``."""
+    directory = Path(tempfile.mkdtemp(prefix=".load-", dir=cache_dir))
+    path = directory / LIBRARY_NAME
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    return path
 
 
 @contextlib.contextmanager

@@ -309,7 +309,7 @@ class VLLMModel(BaseModel[Sequence[str], VLLMSettings]):
 
     def _start_engine(self, backend: _Backend) -> _Engine:
         settings = self.settings
-        artifact = open_artifact(settings.artifact, kind="vllm")
+        artifact = open_artifact(settings.artifact, kind="vllm", public_key=settings.manifest_key())
         _refuse_unlisted_files(artifact)
         root = str(artifact.root.resolve())
         try:

@@ -99,13 +99,21 @@ def _constant(path: Path) -> LinearSnapshot:
 
 @pytest.fixture(scope="module")
 def pipeline(
-    serve_cluster: ServeCluster, demo_models: Path, tmp_path_factory: pytest.TempPathFactory
+    serve_cluster: ServeCluster,
+    demo_models: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    candidates: dict[str, Path],
 ) -> Iterator[PipelineSpec]:
     import os
 
     previous = os.environ.get("RISKSERVE_STATE_DIR")
     os.environ["RISKSERVE_STATE_DIR"] = str(tmp_path_factory.mktemp("swap-state"))  # the swap history
-    spec = pipeline_on("card_fraud.yaml", demo_models, serving={"ingress": {"replicas": INGRESS_REPLICAS}})
+    spec = pipeline_on(
+        "card_fraud.yaml",
+        demo_models,
+        serving={"ingress": {"replicas": INGRESS_REPLICAS}},
+        models_root=str(candidates["seed1"].parent.parent),  # swap takes candidates from there only
+    )
     assert spec.models["fraud"].in_ingress, "the default placement of a scikit-learn model"
     assert spec.models["credit"].in_ingress
     assert not spec.models["intent"].in_ingress
@@ -244,7 +252,9 @@ def held(
     swap history directory."""
     control = tmp_path_factory.mktemp("hold") / "fraud.json"
     control.write_text("{}")
-    data = pipeline_on("tabular_only.yaml", demo_models, name="swap_inflight").resolved()
+    data = pipeline_on(
+        "tabular_only.yaml", demo_models, name="swap_inflight", models_root=str(pipeline.models_root)
+    ).resolved()
     data["models"]["fraud"] = {
         **data["models"]["fraud"],
         "kind": "fault_injection",

@@ -40,6 +40,7 @@ from riskserve.platform.metrics import (
     MODEL_REQUESTS,
     MODEL_VERSION_INFO,
     REPORT_INTERVAL_ENV,
+    LearningMetrics,
     ModelMetrics,
     PipelineMetrics,
     metrics_export_port,
@@ -99,6 +100,9 @@ class MetricsProbe:
         self.models = {name: ModelMetrics(name, kind) for name, kind in KINDS.items()}
         for metrics in self.models.values():
             metrics.breaker_state("closed")  # set once, long before any scrape: must still be exported
+        self.learning = LearningMetrics(APP)  # what the feedback service records
+        self.learning.learning_state(FRAUD, paused=False, drift=0.0)
+        self.learning.refused("relabel")
 
     def decide(self, step: dict[str, Any]) -> None:
         started = time.perf_counter()

@@ -25,7 +25,15 @@ from riskserve.pipelines.client import RiskClient
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
-from riskserve.platform.errors import Conflict, InvalidInput, NotFound, Overloaded
+from riskserve.platform.errors import (
+    AlreadyExists,
+    Conflict,
+    InvalidInput,
+    ModelLoadError,
+    ModelUnavailable,
+    NotFound,
+    Overloaded,
+)
 
 from ..learning_helpers import BATCH, ONLINE, Labels, own_connection, replica_statuses
 from .conftest import GENEROUS_TIMEOUT_MS, PIPELINES, ServeCluster, deploy, endpoint, free_port
@@ -191,11 +199,12 @@ def test_kill_9_of_the_feedback_service_loses_no_label(
 
 def test_a_source_over_its_rate_is_refused_by_name(learning: tuple[PipelineSpec, Labels]) -> None:
     _, labels = learning
-    labels.decide(200, 1)
+    labels.decide(200, 2)
     client = labels.client
     refused: list[str] = []
     started = time.monotonic()
-    for i in range(120):  # the burst is 100 labels per source, refilled at 0.5 per second
+    for i in range(120):  # the burst is 100 labels per source, refilled at 0.5 per second (a repeat of
+        # the same verdict for one decision is a duplicate, but it spends the source's rate all the same)
         try:
             client.feedback(request_id="req-200", label=0, feedback_id=f"spam-{i}", source="analyst:eve")
         except Overloaded as error:
@@ -203,9 +212,73 @@ def test_a_source_over_its_rate_is_refused_by_name(learning: tuple[PipelineSpec,
     refilled = 0.5 * (time.monotonic() - started)
     assert 20 - refilled - 1 <= len(refused) <= 20  # 120 sent: 100 of burst plus what the refill allowed
     assert all("source 'analyst:eve' is over its label rate" in message for message in refused)
-    ack = client.feedback(request_id="req-200", label=0, feedback_id="other-source", source="chargebacks")
+    ack = client.feedback(request_id="req-201", label=0, feedback_id="other-source", source="chargebacks")
     assert ack.accepted
     assert not ack.duplicate
     # Every admitted label is learned (the last partial batch stays pending: its interval is 10 minutes).
     last = ack.seq - ack.seq % BATCH
     _wait(lambda: _feedback_status()["models"]["fraud"]["last_seq"] == last, 90, "the admitted labels")
+
+
+def test_a_second_label_of_another_value_is_already_exists(learning: tuple[PipelineSpec, Labels]) -> None:
+    _, labels = learning
+    truth = int(labels.tx.is_fraud[0])
+    with pytest.raises(AlreadyExists, match="req-0"):
+        labels.client.feedback(request_id="req-0", label=1 - truth, feedback_id="flip-0", source="eve")
+    again = labels.client.feedback(request_id="req-0", label=truth, feedback_id="again-0", source="eve")
+    assert (again.duplicate, again.seq) == (True, labels.seqs["fb-0"])
+
+
+def test_the_server_issues_decision_ids_and_a_shared_request_id_is_not_enough_to_label(
+    learning: tuple[PipelineSpec, Labels],
+) -> None:
+    _, labels = learning
+    request = labels.decide(300, 1)[0]
+    again = labels.client.decide_request(labels.requests["req-300"])  # a second caller squats the same id
+    assert (request.request_id, again.request_id) == ("req-300", "req-300")  # echoed
+    assert len({request.decision_id, again.decision_id}) == 2
+    assert all(len(r.decision_id) == 32 for r in (request, again))
+    with pytest.raises(InvalidInput, match="several decisions"):
+        labels.client.feedback(request_id="req-300", label=1, feedback_id="squat-1", source="bank")
+    ack = labels.client.feedback(
+        decision_id=request.decision_id, label=1, feedback_id="squat-1", source="bank"
+    )
+    assert ack.accepted
+    assert not ack.duplicate
+
+
+def _feedback() -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle("feedback", app_name=APP)
+
+
+def test_swaps_publish_under_the_learners_lock_and_a_refused_one_is_never_adopted(
+    learning: tuple[PipelineSpec, Labels], demo_models: Path
+) -> None:
+    base = load_version(demo_models / "fraud")
+    before = _feedback_status()["models"]["fraud"]
+    serving = before["version"]
+    assert serving != base.version  # the earlier tests made the learner publish
+    with pytest.raises(Conflict, match="another publish came first"):  # verified against a stale version
+        _feedback().swap.remote("fraud", str(base.artifact), base.version, "stale").result()
+    # Fault injected: a candidate that claims another version than the replicas will report serving.
+    with pytest.raises(ModelLoadError, match="rolled back"):
+        _feedback().swap.remote("fraud", str(base.artifact), "not-what-it-holds", serving).result()
+    after = _feedback_status()["models"]["fraud"]
+    assert (after["version"], after["baseline"]) == (serving, before["baseline"])  # never adopted
+    assert _fraud_versions() == {serving}  # every replica serves the old version again
+    _feedback().swap.remote("fraud", str(base.artifact), base.version, serving).result()
+    assert _fraud_versions() == {base.version}
+    adopted = _feedback_status()["models"]["fraud"]
+    assert (adopted["version"], adopted["baseline"]) == (base.version, str(base.artifact))
+
+
+def test_after_the_fence_nothing_is_published(
+    learning: tuple[PipelineSpec, Labels], demo_models: Path
+) -> None:
+    """What a shutdown does before it drains: a later publish would redeploy a pipeline being deleted."""
+    _feedback().fence.remote().result()
+    serving = _feedback_status()["models"]["fraud"]["version"]
+    with pytest.raises(ModelUnavailable, match="shutting down"):
+        _feedback().swap.remote("fraud", str(demo_models / "fraud"), serving, serving).result()

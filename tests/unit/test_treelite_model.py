@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -27,12 +29,15 @@ from riskserve.platform import (
     open_artifact,
     write_manifest,
 )
+from riskserve.platform.secret import install_secret
+from riskserve.wrappers import treelite_model
 from riskserve.wrappers.treelite_model import (
     DIRECT_MAX_ROWS,
     GOLDEN_FILE,
     LIBRARY_NAME,
     TreeliteModel,
     TreeliteSettings,
+    _BuildRecord,
     save_xgboost_artifact,
 )
 
@@ -226,12 +231,75 @@ def test_golden_set_that_xgboost_disagrees_with_is_refused(served: Served, tmp_p
 
 
 def _plant(source_dir: Path, target_dir: Path, version: str, toolchain: str) -> None:
-    """Put another model's library into a cache slot, with a build record that claims it belongs there."""
+    """Put another model's library into a cache slot, with a build record that claims it belongs there,
+    signed with the cache's own key (as a bug in riskserve, not an intruder, would leave it)."""
     target_dir.mkdir(parents=True)
     shutil.copy2(source_dir / LIBRARY_NAME, target_dir / LIBRARY_NAME)
-    record = json.loads((source_dir / "build.json").read_text())
-    record.update(artifact_version=version, toolchain=toolchain)
-    (target_dir / "build.json").write_text(json.dumps(record))
+    record = _BuildRecord.model_validate_json((source_dir / "build.json").read_text())
+    record = record.model_copy(update={"artifact_version": version, "toolchain": toolchain})
+    key = install_secret(target_dir.parent / ".key")
+    (target_dir / "build.json").write_text(record.signed(key).model_dump_json())
+
+
+def _library_with_a_constructor(tmp_path: Path, marker: Path) -> bytes:
+    """A shared library whose load-time constructor writes ``marker``: what dlopen of a planted library
+    would run. Only its bytes are returned."""
+    source = tmp_path / "evil.c"
+    source.write_text(
+        "#include <stdio.h>\n"
+        f'__attribute__((constructor)) static void evil(void) {{ FILE *f = fopen("{marker}", "w");'
+        ' if (f) { fputs("ran", f); fclose(f); } }\n'
+    )
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "evil.so"), str(source)], check=True)
+    return (tmp_path / "evil.so").read_bytes()
+
+
+def test_a_library_planted_in_the_cache_is_never_opened(served: Served, tmp_path: Path) -> None:
+    marker = tmp_path / "evil-ran"
+    evil = _library_with_a_constructor(tmp_path, marker)
+    cache = tmp_path / "cache"
+    shutil.copytree(served.cache, cache)
+    slot = cache / Path(served.model.details()["library"]).parent.name
+    (slot / LIBRARY_NAME).write_bytes(evil)
+    record = _BuildRecord.model_validate_json((slot / "build.json").read_text())
+    forged = record.model_copy(  # the intruder knows the format and the hash, not the cache's key
+        update={"library_sha256": hashlib.sha256(evil).hexdigest(), "library_bytes": len(evil), "mac": ""}
+    )
+    (slot / "build.json").write_text(forged.model_dump_json())
+    model = _load(_settings(served.artifact, cache))
+    assert "no valid HMAC" in model.details()["cache_rejected"]
+    assert not marker.exists(), "the planted library ran"
+    assert model.details()["compiled"] is True
+    x = _rows(served.features, 16, seed=11)
+    np.testing.assert_array_equal(model.predict_sync(x), served.model.predict_sync(x))
+    # The cache is owner-only, and the private copies that were opened are gone.
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    assert stat.S_IMODE(slot.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in slot.iterdir()} == {0o600}
+    assert not list(cache.glob(".load-*"))
+
+
+def test_a_library_swapped_after_its_hash_was_checked_is_not_what_is_loaded(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injected: an intruder replaces the cached file between the hash check and dlopen."""
+    marker = tmp_path / "evil-ran"
+    evil = _library_with_a_constructor(tmp_path, marker)
+    cache = tmp_path / "cache"
+    shutil.copytree(served.cache, cache)
+    slot = cache / Path(served.model.details()["library"]).parent.name
+    real_open = treelite_model._open_predictor
+
+    def swap_then_open(library: Path, nthread: int, n_features: int) -> Any:
+        (slot / LIBRARY_NAME).write_bytes(evil)
+        return real_open(library, nthread, n_features)
+
+    monkeypatch.setattr(treelite_model, "_open_predictor", swap_then_open)
+    model = _load(_settings(served.artifact, cache))
+    assert not marker.exists(), "the swapped-in library ran"
+    assert model.details()["cache_hit"] is True
+    x = _rows(served.features, 16, seed=12)
+    np.testing.assert_array_equal(model.predict_sync(x), served.model.predict_sync(x))
 
 
 def test_wrong_library_in_the_cache_fails_the_gate_and_is_deleted(served: Served, tmp_path: Path) -> None:

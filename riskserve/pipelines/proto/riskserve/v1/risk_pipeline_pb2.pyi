@@ -64,7 +64,7 @@ class ModelScore(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., score: _Optional[float] = ..., label: _Optional[str] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., latency_ms: _Optional[float] = ...) -> None: ...
 
 class DecideResponse(_message.Message):
-    __slots__ = ("request_id", "decision", "risk_score", "models", "reasons", "pipeline", "pipeline_version", "trace_id")
+    __slots__ = ("request_id", "decision", "risk_score", "models", "reasons", "pipeline", "pipeline_version", "trace_id", "decision_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     RISK_SCORE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class DecideResponse(_message.Message):
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decision: Decision
     risk_score: float
@@ -81,7 +82,8 @@ class DecideResponse(_message.Message):
     pipeline: str
     pipeline_version: str
     trace_id: str
-    def __init__(self, request_id: _Optional[str] = ..., decision: _Optional[_Union[Decision, str]] = ..., risk_score: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelScore, _Mapping]]] = ..., reasons: _Optional[_Iterable[str]] = ..., pipeline: _Optional[str] = ..., pipeline_version: _Optional[str] = ..., trace_id: _Optional[str] = ...) -> None: ...
+    decision_id: str
+    def __init__(self, request_id: _Optional[str] = ..., decision: _Optional[_Union[Decision, str]] = ..., risk_score: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelScore, _Mapping]]] = ..., reasons: _Optional[_Iterable[str]] = ..., pipeline: _Optional[str] = ..., pipeline_version: _Optional[str] = ..., trace_id: _Optional[str] = ..., decision_id: _Optional[str] = ...) -> None: ...
 
 class DecideBatchRequest(_message.Message):
     __slots__ = ("requests",)
@@ -142,16 +144,18 @@ class DescribeResponse(_message.Message):
     def __init__(self, pipeline: _Optional[str] = ..., version: _Optional[str] = ..., features: _Optional[_Iterable[_Union[FeatureInfo, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class FeedbackRequest(_message.Message):
-    __slots__ = ("request_id", "label", "feedback_id", "source")
+    __slots__ = ("request_id", "label", "feedback_id", "source", "decision_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     label: int
     feedback_id: str
     source: str
-    def __init__(self, request_id: _Optional[str] = ..., label: _Optional[int] = ..., feedback_id: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    decision_id: str
+    def __init__(self, request_id: _Optional[str] = ..., label: _Optional[int] = ..., feedback_id: _Optional[str] = ..., source: _Optional[str] = ..., decision_id: _Optional[str] = ...) -> None: ...
 
 class FeedbackResponse(_message.Message):
     __slots__ = ("accepted", "duplicate", "model_version", "seq")
