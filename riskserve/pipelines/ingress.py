@@ -23,6 +23,7 @@ from riskserve.pipelines.guarded_call import GuardedModel, LocalEndpoint, Matrix
 from riskserve.pipelines.messages import describe_response
 from riskserve.pipelines.model_lane import Lanes, LaneUse
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.reasons import ReasonExplainer
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import InvalidInput, ModelUnavailable, NotFound, RiskServeError
 from riskserve.platform.metrics import PipelineMetrics
@@ -84,8 +85,14 @@ class PipelineIngress:
         local_stage = None
         if serving.feature_stage == "ingress":
             local_stage = FeatureStage(spec["features"], spec.get("tracing"), serving.matrix_retain_s)
+        explainer = ReasonExplainer(self._spec, self._runners) if self._spec.reasons is not None else None
         self._flow = DecisionFlow(
-            self._spec, models=guarded, local_stage=local_stage, stage_handle=features, recorder=recorder
+            self._spec,
+            models=guarded,
+            local_stage=local_stage,
+            stage_handle=features,
+            recorder=recorder,
+            explainer=explainer,
         )
         self._local_stage = local_stage
         self._features = features

@@ -97,6 +97,8 @@ __all__ = [
     "MODEL_LATENCY",
     "MODEL_REQUESTS",
     "MODEL_VERSION_INFO",
+    "REASONS",
+    "REASONS_LATENCY",
     "REPORT_INTERVAL_ENV",
     "DecisionOutcome",
     "FallbackReason",
@@ -264,6 +266,20 @@ FEATURE_LATENCY: Final = MetricSpec(
     ("pipeline",),
     LATENCY_BUCKETS_S,
 )
+REASONS: Final = MetricSpec(
+    "riskserve_reasons",
+    "counter",
+    "Decisions given reason codes (outcome=ok), or answered without them because computing them failed "
+    "(outcome=error).",
+    ("pipeline", "outcome"),
+)
+REASONS_LATENCY: Final = MetricSpec(
+    "riskserve_reasons_latency_seconds",
+    "histogram",
+    "Time to compute the reason codes of one decision call's explained decisions, in seconds.",
+    ("pipeline",),
+    LATENCY_BUCKETS_S,
+)
 
 ALL_METRICS: Final[tuple[MetricSpec, ...]] = (
     MODEL_REQUESTS,
@@ -278,6 +294,8 @@ ALL_METRICS: Final[tuple[MetricSpec, ...]] = (
     INVALID_REQUESTS,
     DECISION_LATENCY,
     FEATURE_LATENCY,
+    REASONS,
+    REASONS_LATENCY,
 )
 
 _Tags = tuple[tuple[str, str], ...]
@@ -667,6 +685,18 @@ class PipelineMetrics:
     def feature_latency(self, seconds: float) -> None:
         """Time of the feature stage for one decision call."""
         _registry().add(FEATURE_LATENCY, (("pipeline", self.pipeline),), seconds, 1.0)
+
+    def reasons(self, rows: int, seconds: float) -> None:
+        """``rows`` decisions of one call given reason codes, computed in ``seconds``."""
+        registry = _registry()
+        series = (("pipeline", self.pipeline), ("outcome", "ok"))
+        registry.add(REASONS, series, float(rows), float(rows))
+        registry.add(REASONS_LATENCY, (("pipeline", self.pipeline),), seconds, 1.0)
+
+    def reasons_failed(self, rows: int) -> None:
+        """``rows`` decisions answered without the reason codes they should have had."""
+        series = (("pipeline", self.pipeline), ("outcome", "error"))
+        _registry().add(REASONS, series, float(rows), float(rows))
 
 
 def _nodes() -> list[dict[str, Any]]:

@@ -113,6 +113,8 @@ class MetricsProbe:
                     metrics.fallback(step[name])
                     metrics.breaker_state("open")
         self.pipeline.decision(step["outcome"])
+        if step["outcome"] != "APPROVE":
+            self.pipeline.reasons(1, 0.001)
         self.pipeline.decision_latency(time.perf_counter() - started)
 
     def invalid(self, field: str) -> None:
