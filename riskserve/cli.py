@@ -70,7 +70,7 @@ def _target(args: argparse.Namespace) -> str:
 def _decide(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from riskserve.pipelines.client import RiskClient, split_fields
+    from riskserve.pipelines.client import RiskClient, reason_lines, split_fields
 
     try:
         fields = json.loads(args.json)
@@ -84,6 +84,16 @@ def _decide(args: argparse.Namespace) -> int:
             response = client.decide(**fields)
         else:
             response = client.decide_request(split_fields(fields))
+    if args.format == "text":
+        from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+
+        decision = pb.Decision.Name(response.decision)
+        print(f"{response.request_id}: {decision}, risk score {response.risk_score:.3f}")
+        for rule in response.reasons:
+            print(f"  rule  {rule}")
+        for line in reason_lines(response):
+            print(f"  why   {line}")
+        return 0
     print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
     return 0
 
@@ -201,6 +211,10 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--json", required=True, help='fields, e.g. \'{"amount": 12.5, "channel": "pos"}\''
             )
+            command.add_argument(
+                "--format", choices=("json", "text"), default="json",
+                help="json: the whole response; text: the decision, the rules and the reason codes",
+            )  # fmt: skip
         command.set_defaults(handler=handler)
 
     feedback = commands.add_parser("feedback", help="report the true outcome of a past decision (gRPC)")

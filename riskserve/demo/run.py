@@ -15,7 +15,7 @@ import yaml
 
 from riskserve.demo.build import build_demo_models
 from riskserve.demo.dataset import Transactions, generate_transactions
-from riskserve.pipelines.client import RiskClient
+from riskserve.pipelines.client import RiskClient, reason_lines
 from riskserve.pipelines.local import down, state_dir, up_local
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.platform.errors import RiskServeError
@@ -74,6 +74,17 @@ def _row(response: pb.DecideResponse, truth: str, latency_ms: float) -> str:
         f"{response.request_id:<8} {truth:<5} {decision:<8} {response.risk_score:5.3f}  "
         f"{intent_cell:<13} {scores}  {latency_ms:6.1f}  {reasons}"
     )
+
+
+def _print_reasons(response: pb.DecideResponse | None) -> None:
+    """Why one declined transaction was declined: its reason codes, strongest first."""
+    if response is None:
+        print("\nno transaction was declined")
+        return
+    print(f"\nwhy {response.request_id} was declined (reason codes; contribution to each model's log-odds, "
+          "the intent's probability):")  # fmt: skip
+    for line in reason_lines(response) or ["(none: the pipeline lists no reasons for DECLINE)"]:
+        print(f"  {line}")
 
 
 def _fraud_version(client: RiskClient, row: dict[str, float | str]) -> str:
@@ -161,11 +172,15 @@ def run_demo(*, models: Path, pipeline: Path, grpc_port: int) -> int:
             )
             print(f"  {'ms':>6}  reasons")
             latencies = []
+            declined: pb.DecideResponse | None = None
             for i in sorted(frauds + legit):
                 t1 = time.perf_counter()
                 response = client.decide_request(_request(tx.row(i), f"tx-{i}"))
                 latencies.append((time.perf_counter() - t1) * 1e3)
                 print(_row(response, "fraud" if tx.is_fraud[i] else "ok", latencies[-1]))
+                if declined is None and response.decision == pb.DECLINE:
+                    declined = response
+            _print_reasons(declined)
             print("\nmalformed requests are refused before any model runs:")
             for label, body in MALFORMED:
                 try:
