@@ -6,6 +6,8 @@ riskserve decide --pipeline NAME --json '{...}'
 riskserve describe --pipeline NAME
 riskserve status
 riskserve down
+riskserve shadow PIPELINE MODEL CANDIDATE    score a candidate beside a model on live traffic (status,
+                                             promote, stop)
 riskserve export serve-config PIPELINE.yaml  print a `serve deploy`-able config
 riskserve demo                               the whole story on real gRPC
 """
@@ -159,6 +161,41 @@ def _rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shadow(args: argparse.Namespace) -> int:
+    """``shadow PIPELINE MODEL CANDIDATE [--sample S]``, ``shadow status [PIPELINE]``,
+    ``shadow promote PIPELINE MODEL``, ``shadow stop PIPELINE MODEL``."""
+    from riskserve.pipelines import shadowing
+
+    words = list(args.words)
+    if words[0] == "status" and len(words) <= 2:
+        statuses = shadowing.shadow_status(words[1] if len(words) == 2 else None)
+        for pipeline, figures in statuses.items():
+            if not figures:
+                print(f"{pipeline}: no shadow")
+            for shadow in figures:
+                print(f"{pipeline}/{shadow.model}: " + json.dumps(shadow.model_dump(), indent=2))
+        return 0
+    if words[0] in ("promote", "stop") and len(words) == 3:
+        if words[0] == "stop":
+            shadowing.stop_shadow(words[1], words[2])
+            print(f"{words[1]}/{words[2]}: shadow stopped")
+            return 0
+        result = shadowing.promote_shadow(words[1], words[2])
+        print(f"{result.pipeline}/{result.model}: promoted {result.old_version} -> {result.new_version} "
+              f"(all replicas in {result.seconds:.1f} s); shadow stopped")  # fmt: skip
+        return 0
+    if len(words) == 3:
+        report = shadowing.start_shadow(words[0], words[1], Path(words[2]), sample=args.sample)
+        where = f"{words[0]}/{words[1]}"
+        print(f"{where}: candidate {report.version} verified ({report.golden_rows} golden rows), scoring "
+              f"{args.sample:.0%} of live decisions; `riskserve shadow status` compares")  # fmt: skip
+        return 0
+    raise ConfigError(
+        "usage: riskserve shadow PIPELINE MODEL CANDIDATE [--sample S] | shadow status [PIPELINE] | "
+        "shadow promote PIPELINE MODEL | shadow stop PIPELINE MODEL"
+    )
+
+
 def _export(args: argparse.Namespace) -> int:
     import yaml
 
@@ -244,6 +281,15 @@ def _parser() -> argparse.ArgumentParser:
     rollback.add_argument("pipeline")
     rollback.add_argument("model")
     rollback.set_defaults(handler=_rollback)
+
+    shadow = commands.add_parser(
+        "shadow",
+        help="score a candidate beside a model on live traffic: PIPELINE MODEL CANDIDATE [--sample S] | "
+        "status [PIPELINE] | promote PIPELINE MODEL | stop PIPELINE MODEL",
+    )
+    shadow.add_argument("words", nargs="+", metavar="ARG")
+    shadow.add_argument("--sample", type=float, default=0.2, help="share of live decisions (default 0.2)")
+    shadow.set_defaults(handler=_shadow)
 
     export = commands.add_parser("export", help="generate deployment files")
     export_commands = export.add_subparsers(dest="export_command", required=True)

@@ -24,6 +24,7 @@ from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.reasons import Reason, ReasonExplainer
 from riskserve.pipelines.recording import record_decisions
 from riskserve.pipelines.rules import Decision, DecisionEngine, ModelResult
+from riskserve.pipelines.shadow import Shadows
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import DeadlineExceeded, InlineBusy
 from riskserve.platform.metrics import PipelineMetrics
@@ -46,9 +47,11 @@ class DecisionFlow:
         stage_handle: Any = None,
         recorder: DecisionRecorder | None = None,
         explainer: ReasonExplainer | None = None,
+        shadows: Shadows | None = None,
     ) -> None:
         """``local_stage``: encode in this process; else ``stage_handle``, the feature-stage deployment;
-        ``explainer``: reason codes for the outcomes the pipeline explains."""
+        ``explainer``: reason codes for the outcomes the pipeline explains; ``shadows``: candidates that
+        score a sample of the answered decisions off the request path."""
         self.spec = spec
         self.models = models
         self._names = list(spec.models)
@@ -56,6 +59,7 @@ class DecisionFlow:
         self._stage_handle = stage_handle
         self.recorder = recorder
         self.explainer = explainer
+        self.shadows = shadows
         self.metrics = PipelineMetrics(spec.name)
         self._engine = DecisionEngine(spec)
         self._inline_rows = spec.serving.inline_rows
@@ -94,6 +98,8 @@ class DecisionFlow:
         ]
         if self.recorder is not None:
             record_decisions(self.recorder, self.spec.name, ids, stage, per_model)
+        if self.shadows is not None and self.shadows.active:
+            self.shadows.offer(stage, ids, decided)
         self.metrics.decision_latency(time.perf_counter() - started)
         return responses
 

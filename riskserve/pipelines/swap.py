@@ -30,6 +30,7 @@ from riskserve.platform.runner import ModelStatus
 __all__ = [
     "SwapResult",
     "artifact_overrides",
+    "exclusive",
     "learning_status",
     "rollback",
     "rollback_model",
@@ -75,7 +76,12 @@ def artifact_overrides(pipeline: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _exclusive(pipeline: str, model: str) -> Iterator[None]:
+def exclusive(pipeline: str, model: str) -> Iterator[None]:
+    """One operation (swap, rollback, shadow) on a model at a time, across processes.
+
+    Raises:
+        Conflict: another one is running.
+    """
     directory = state_dir()
     directory.mkdir(parents=True, exist_ok=True)
     with (directory / f"swap-{pipeline}-{model}.lock").open("w") as handle:
@@ -114,7 +120,7 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
     if model not in spec.models:
         raise NotFound(f"pipeline '{pipeline}' has no model '{model}' (models: {', '.join(spec.models)})")
     path = str(Path(artifact).resolve())
-    with _exclusive(pipeline, model):
+    with exclusive(pipeline, model):
         ingress = serve.get_deployment_handle("ingress", app_name=pipeline)
         serving = model_status(spec, model)
         old_version, old_artifact = str(serving.version), serving.artifact

@@ -98,6 +98,8 @@ def _actor_id() -> str:
     try:
         import ray
 
+        if not ray.is_initialized():  # get_runtime_context() would start a local Ray just to say "none"
+            return ""
         return str(ray.get_runtime_context().get_actor_id() or "")
     except Exception:  # outside Ray (unit tests, the bench floor)
         return ""

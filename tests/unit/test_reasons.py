@@ -13,19 +13,16 @@ from typing import Any
 import numpy as np
 import pytest
 import xgboost
-import yaml
 
 from riskserve.demo.tabular import TabularData, make_tabular_data, train_fraud_lr, train_xgboost
 from riskserve.features.spec import FeatureSpec
-from riskserve.features.stage import FeatureStage
 from riskserve.pipelines.flow import DecisionFlow
-from riskserve.pipelines.guarded_call import GuardedModel, LocalEndpoint
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.reasons import ReasonExplainer, field_map
 from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 from riskserve.platform.errors import ConfigError
 from riskserve.platform.runner import ModelRunner
-from tests.conftest import PIPELINES
+from tests.flow_helpers import flow_of, serve_runners, tabular_document
 
 TYPICAL = {
     "numeric": {"amount": 40.0, "account_age_days": 900.0, "txn_velocity_1h": 1.0, "hour": 14.0},
@@ -46,26 +43,6 @@ class Pipeline:
     credit_file: Path
 
 
-def _document(artifacts: Path, **reasons: Any) -> dict[str, Any]:
-    document: dict[str, Any] = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
-    for name in ("credit", "fraud"):
-        document["models"][name]["artifact"] = str(artifacts / name)
-    document["reasons"] = {**document["reasons"], **reasons}
-    return document
-
-
-async def _runners(spec: PipelineSpec) -> dict[str, ModelRunner]:
-    runners = {}
-    for name, model in spec.models.items():
-        runner = ModelRunner(
-            name, model.kind, dict(model.settings), spec.features.column_names(), spec.model_columns(name),
-            placement="ingress",
-        )  # fmt: skip
-        await runner.serve(str(spec.artifact_path(name)))
-        runners[name] = runner
-    return runners
-
-
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Pipeline:
     """tabular_only on small demo models (40 trees, so the compile is quick), and its decision flow."""
@@ -73,18 +50,12 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Pipeline:
     data = make_tabular_data(5, train_rows=6000, test_rows=2000)
     train_xgboost(data, models / "credit", seed=5, rounds=40, progress=False)
     train_fraud_lr(data, models / "fraud", seed=5)
-    document = _document(models, top=3)
+    document = tabular_document(models, top=3)
     spec = parse_pipeline(document)
-    runners = asyncio.run(_runners(spec))
-    explainer = ReasonExplainer(spec, runners)
-    guarded = {
-        name: GuardedModel.build(name, spec.models[name], LocalEndpoint(runner, spec.serving.inline_rows))
-        for name, runner in runners.items()
-    }
-    flow = DecisionFlow(
-        spec, models=guarded, local_stage=FeatureStage(document["features"]), explainer=explainer
-    )
-    return Pipeline(spec, data, runners, flow, explainer, models / "credit" / "model.json")
+    runners = asyncio.run(serve_runners(spec))
+    flow = flow_of(document, runners)
+    assert flow.explainer is not None
+    return Pipeline(spec, data, runners, flow, flow.explainer, models / "credit" / "model.json")
 
 
 def _decide(pipeline: Pipeline, *requests: pb.DecideRequest) -> list[pb.DecideResponse]:
@@ -218,5 +189,5 @@ def test_a_reasons_section_naming_something_unknown_is_refused_with_its_path(
     reasons: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(ConfigError) as refused:
-        parse_pipeline(_document(Path("/nonexistent"), **reasons))
+        parse_pipeline(tabular_document(Path("/nonexistent"), **reasons))
     assert message in str(refused.value)
