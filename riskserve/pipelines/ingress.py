@@ -299,8 +299,10 @@ class PipelineIngress:
 
     async def shadow_status(self) -> list[ShadowFigures]:
         """Every shadow's comparison figures in this replica."""
-        versions = {name: str(runner.status().version or "") for name, runner in self._runners.items()}
-        return self._shadows.figures(versions)
+        statuses = {name: runner.status() for name, runner in self._runners.items()}
+        versions = {name: str(status.version or "") for name, status in statuses.items()}
+        replica = next((status.actor_id for status in statuses.values()), "")
+        return [f.model_copy(update={"replica": replica}) for f in self._shadows.figures(versions)]
 
     def breaker_states(self) -> dict[str, str]:
         """Each model's breaker state in this ingress replica."""

@@ -95,6 +95,8 @@ class ShadowFigures(_Schema):
     candidate_auc: float | None
     error: str = ""
     """Why the shadow is not running, if it is not (a candidate refused at load)."""
+    replica: str = ""
+    """The ingress replica (Ray actor id) these figures are from: each replica compares its own sample."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ shadowed. See :mod:`riskserve.pipelines.shadow` for what a shadow does on the re
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,19 @@ def _config(spec: PipelineSpec) -> dict[str, dict[str, Any]]:
     return dict(_ingress(spec).shadow_config.remote().result(timeout_s=30))
 
 
-def _figures(spec: PipelineSpec) -> list[ShadowFigures]:
-    figures: list[ShadowFigures] = _ingress(spec).shadow_status.remote().result(timeout_s=30)
-    return figures
+def _figures(spec: PipelineSpec, *, timeout_s: float = 30.0) -> list[ShadowFigures]:
+    """Every ingress replica's figures: Serve's handle picks a replica per call, so it is asked until each
+    replica has answered (or ``timeout_s`` passed: then the replicas that did)."""
+    handle = _ingress(spec)
+    replicas = spec.serving.ingress.replicas
+    seen: dict[str, list[ShadowFigures]] = {}
+    deadline = time.monotonic() + timeout_s
+    for _ in range(20 * replicas):
+        figures: list[ShadowFigures] = handle.shadow_status.remote().result(timeout_s=timeout_s)
+        seen[figures[0].replica if figures else ""] = figures
+        if len(seen) >= replicas or time.monotonic() > deadline or not figures:
+            break
+    return [figure for figures in seen.values() for figure in figures]
 
 
 def _model(spec: PipelineSpec, model: str) -> None:
