@@ -41,11 +41,14 @@ APPROVE = {
 }
 
 
-async def _flow(models: Path, with_reasons: bool) -> Any:
+async def build_flow(models: Path, with_reasons: bool, shadow: dict[str, Any] | None = None) -> Any:
+    """The ``tabular_only`` decision flow on ``models`` as an ingress replica builds it (in process), with or
+    without its reasons section, and with ``shadow`` (settings of a shadow of ``fraud``) if given."""
     from riskserve.features.stage import FeatureStage
     from riskserve.pipelines.flow import DecisionFlow
     from riskserve.pipelines.guarded_call import GuardedModel, LocalEndpoint
     from riskserve.pipelines.reasons import ReasonExplainer
+    from riskserve.pipelines.shadow import Shadows
     from riskserve.pipelines.spec import parse_pipeline
     from riskserve.platform.runner import ModelRunner
 
@@ -65,8 +68,17 @@ async def _flow(models: Path, with_reasons: bool) -> Any:
         runners[name] = runner
         guarded[name] = GuardedModel.build(name, model, LocalEndpoint(runner, spec.serving.inline_rows))
     explainer = ReasonExplainer(spec, runners) if with_reasons else None
+    shadows = None
+    if shadow is not None:
+        shadows = Shadows(spec, runners)
+        await shadows.configure({"fraud": shadow})
+        assert shadows.active, shadows.errors
     flow = DecisionFlow(
-        spec, models=guarded, local_stage=FeatureStage(document["features"]), explainer=explainer
+        spec,
+        models=guarded,
+        local_stage=FeatureStage(document["features"]),
+        explainer=explainer,
+        shadows=shadows,
     )
     return flow, runners
 
@@ -123,8 +135,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out")
     parser.add_argument("--repeats", type=int, default=300)
     args = parser.parse_args()
-    with_reasons, runners = asyncio.run(_flow(args.models.resolve(), True))
-    without, _ = asyncio.run(_flow(args.models.resolve(), False))
+    with_reasons, runners = asyncio.run(build_flow(args.models.resolve(), True))
+    without, _ = asyncio.run(build_flow(args.models.resolve(), False))
     print("exact contributions, median per row:")
     contributions = _contributions(runners, max(args.repeats // 3, 30))
     decisions: dict[str, Any] = {}

@@ -355,9 +355,9 @@ class Shadows:
         for model in list(self.active):
             if wanted.get(model) != self.active[model].settings:
                 await self.active.pop(model).close()
-        self.errors = {m: e for m, e in self.errors.items() if wanted.get(m) == e[0]}
+        self.errors = {}  # a refused candidate is tried again (its artifact may have been fixed in place)
         for model, settings in wanted.items():
-            if model in self.active or model in self.errors:
+            if model in self.active:
                 continue
             try:
                 self.active[model] = await self._load(model, settings)
