@@ -3,8 +3,9 @@
 The feature stage validates first, so bad input is INVALID_ARGUMENT naming the field and reaches no
 model. Models in their own deployments are started first, so their hops overlap with the work that stays
 in process; a small batch's in-ingress models then run as plain function calls on the event loop, a large
-batch's in a worker thread. The rules and the responses follow, and the batch's decisions are buffered
-for the feedback log after the answer is built.
+batch's in a worker thread. The rules follow, then the reason codes of the decisions whose outcome the
+pipeline explains (none for the others), then the responses. After the answer is built, the batch's
+decisions are buffered for the feedback log and a sample is handed to any shadow candidate.
 """
 
 from __future__ import annotations

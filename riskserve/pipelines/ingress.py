@@ -3,8 +3,9 @@
 Each ingress replica holds the feature stage, every model placed ``ingress`` (a :class:`ModelRunner` per
 model, hot-swapped through Serve's ``user_config`` like a model deployment), handles to the models in
 their own deployments, the decision flow and riskserve's own gRPC server. The tabular path of a decision
-never leaves this process. Operators reach the same replicas through Serve handles (status, swaps,
-learning), never through the data plane.
+never leaves this process, reason codes and shadow candidates (``user_config`` too) included. Operators
+reach the same replicas through Serve handles (status, swaps, shadows, learning), never through the data
+plane.
 """
 
 from __future__ import annotations
