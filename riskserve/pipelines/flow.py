@@ -70,6 +70,18 @@ class DecisionFlow:
         self, requests: Sequence[pb.DecideRequest], trace_id: str, deadline: float, traced: bool
     ) -> list[pb.DecideResponse]:
         """Decide every request; the responses come in the same order."""
+        gate = self.shadows.gate if self.shadows is not None else None
+        if gate is None:
+            return await self._decide(requests, trace_id, deadline, traced)
+        gate.enter()  # shadows wait while any decision is in flight
+        try:
+            return await self._decide(requests, trace_id, deadline, traced)
+        finally:
+            gate.leave()
+
+    async def _decide(
+        self, requests: Sequence[pb.DecideRequest], trace_id: str, deadline: float, traced: bool
+    ) -> list[pb.DecideResponse]:
         started = time.perf_counter()
         stage = await self._features([raw_request(r) for r in requests], deadline, traced)
         self.metrics.feature_latency(stage.latency_ms / 1e3)

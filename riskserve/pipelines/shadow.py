@@ -3,14 +3,16 @@ request path, and never in the answer.
 
 Each ingress replica holds the shadows its Serve ``user_config`` names (``riskserve shadow`` publishes them
 like a swap publishes artifacts). After a decision batch is answered, a sample of its rows (``sample``) is
-handed to a background task that scores them with the candidate in a worker thread and runs the rules
-again with the candidate's score in place of the serving model's. A shadow that is still busy with an
-earlier sample drops the new one (counted): under load the shadow loses rows, never the decisions time.
+queued for a background task on the replica's event loop, which works only while no decision is in flight
+there (:class:`IdleGate`): in chunks of 16 rows it scores them with the candidate (inline, microseconds)
+and runs the rules again with the candidate's score in place of the serving model's, then yields. A
+sample that finds ``max_in_flight`` samples already queued is dropped (counted): under load the shadow
+loses rows, and the decisions no time beyond one chunk's tens of microseconds.
 
 :class:`ShadowComparison` keeps the figures: rows compared, the two scores' Pearson correlation and mean
 difference (candidate - serving), decisions that would flip (by outcome pair), both models' latency, and,
 once labels arrive through ``Feedback``, both models' log-loss and AUC on the same labelled decisions.
-The figures are those of one ingress replica (``riskserve shadow status`` asks one; the metrics carry
+The figures are those of one ingress replica (``riskserve shadow status`` asks each; the metrics carry
 every replica's counts).
 """
 
@@ -37,12 +39,14 @@ from riskserve.platform.errors import InvalidInput, RiskServeError
 from riskserve.platform.metrics import ShadowMetrics
 from riskserve.platform.runner import ModelRunner
 
-__all__ = ["ShadowComparison", "ShadowFigures", "ShadowModel", "ShadowSettings", "Shadows"]
+__all__ = ["IdleGate", "ShadowComparison", "ShadowFigures", "ShadowModel", "ShadowSettings", "Shadows"]
 
 logger = logging.getLogger(__name__)
 
 _LATENCY_SAMPLES = 10_000
 """Latencies kept per model for the percentiles (the most recent)."""
+CHUNK_ROWS = 16
+"""Rows a shadow scores and re-decides at a time on the event loop (tens of µs) before it yields again."""
 _PAIRS_KEPT = 200_000
 """Compared decisions kept (newest) for labels to join; older ones can no longer be labelled."""
 
@@ -56,8 +60,9 @@ class ShadowSettings(_Schema):
     """The candidate's artifact directory (verified like a swap candidate before it is loaded)."""
     sample: float = Field(default=0.2, gt=0, le=1)
     """Share of live decisions the candidate also scores."""
-    max_in_flight: int = Field(default=1, ge=1, le=64)
-    """Sampled batches the candidate scores at once per replica; a sample past this is dropped."""
+    max_in_flight: int = Field(default=4, ge=1, le=64)
+    """Sampled batches waiting for or being scored by the candidate per replica; a sample past this is
+    dropped."""
 
 
 class ShadowFigures(_Schema):
@@ -204,6 +209,30 @@ def _percentiles(values: Sequence[float]) -> dict[str, float]:
     return {"p50": ordered[round(0.5 * last)], "p99": ordered[round(0.99 * last)]}
 
 
+class IdleGate:
+    """Counts the decisions in flight on an ingress replica's event loop; shadows work only while none is."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        """A decision call started."""
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        """A decision call ended."""
+        self.in_flight -= 1
+        if self.in_flight <= 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no decision is in flight."""
+        await self._idle.wait()
+
+
 @dataclass
 class _Sampled:
     """The rows of one answered batch a shadow scores: their features, ids and serving results."""
@@ -225,6 +254,7 @@ class ShadowModel:
         candidate: ModelRunner,
         engine: DecisionEngine,
         metrics: ShadowMetrics,
+        gate: IdleGate,
         *,
         chance: Callable[[], float] = random.random,
     ) -> None:
@@ -235,6 +265,7 @@ class ShadowModel:
         self._engine = engine
         self._metrics = metrics
         self._chance = chance
+        self._gate = gate
         self._tasks: set[asyncio.Task[None]] = set()
 
     def offer(
@@ -269,27 +300,32 @@ class ShadowModel:
         task.add_done_callback(self._tasks.discard)
 
     async def _score(self, sampled: _Sampled) -> None:
-        try:
-            answer = await self.candidate.predict_matrix(sampled.matrix)
-        except Exception as error:  # the candidate's failure never reaches a decision
-            logger.warning("shadow of '%s' failed to score %d rows: %s", self.model, len(sampled.ids), error)
-            self.comparison.failed += len(sampled.ids)
-            self.comparison.dropped += len(sampled.ids)
-            self._metrics.dropped(len(sampled.ids))
-            return
+        """Score the sample in chunks, each only while no decision is in flight on this replica."""
         comparison = self.comparison
-        comparison.candidate_latency_ms.append(answer.latency_ms)
         comparison.serving_latency_ms.append(sampled.results[0][self.model].latency_ms)
-        self._metrics.latency(answer.latency_ms / 1e3)
-        for i, score in enumerate(answer.scores):
-            results = sampled.results[i]
-            serving = results[self.model]
-            candidate = replace(serving, score=score, version=answer.version)
-            outcome = self._engine.decide(sampled.rows[i], {**results, self.model: candidate}).outcome
-            comparison.add(sampled.ids[i], serving.score, score, (sampled.outcomes[i], outcome))
-            if outcome != sampled.outcomes[i]:
-                self._metrics.flip(sampled.outcomes[i], outcome)
-        self._metrics.compared(len(answer.scores), comparison.correlation, comparison.mean_difference)
+        for start in range(0, len(sampled.ids), CHUNK_ROWS):
+            await self._gate.wait_idle()
+            end = min(start + CHUNK_ROWS, len(sampled.ids))
+            try:  # a compiled or linear model scores a chunk inline in microseconds
+                answer = self.candidate.predict_matrix_now(sampled.matrix[start:end])
+            except Exception as error:  # the candidate's failure never reaches a decision
+                logger.warning("shadow of '%s' failed to score %d rows: %s", self.model, end - start, error)
+                comparison.failed += len(sampled.ids) - start
+                comparison.dropped += len(sampled.ids) - start
+                self._metrics.dropped(len(sampled.ids) - start)
+                return
+            comparison.candidate_latency_ms.append(answer.latency_ms)
+            self._metrics.latency(answer.latency_ms / 1e3)
+            for i, score in enumerate(answer.scores, start=start):
+                results = sampled.results[i]
+                serving = results[self.model]
+                candidate = replace(serving, score=score, version=answer.version)
+                outcome = self._engine.decide(sampled.rows[i], {**results, self.model: candidate}).outcome
+                comparison.add(sampled.ids[i], serving.score, score, (sampled.outcomes[i], outcome))
+                if outcome != sampled.outcomes[i]:
+                    self._metrics.flip(sampled.outcomes[i], outcome)
+            self._metrics.compared(end - start, comparison.correlation, comparison.mean_difference)
+            await asyncio.sleep(0)  # a decision that arrived meanwhile goes first
 
     async def idle(self) -> None:
         """Wait until every sample handed over so far is scored (tests, and before a figure is read)."""
@@ -336,6 +372,8 @@ class Shadows:
         self._spec = spec
         self._runners = runners
         self._engine = DecisionEngine(spec)
+        self.gate = IdleGate()
+        """The flow enters and leaves it around every decision call; the shadows wait for it to be idle."""
         self.active: dict[str, ShadowModel] = {}
         self.errors: dict[str, tuple[ShadowSettings, str]] = {}
 
@@ -381,7 +419,7 @@ class Shadows:
         )  # fmt: skip
         await candidate.serve(settings.artifact)
         metrics = ShadowMetrics(self._spec.name, model, report.version)
-        return ShadowModel(model, settings, candidate, self._engine, metrics)
+        return ShadowModel(model, settings, candidate, self._engine, metrics, self.gate)
 
     def offer(
         self,

@@ -132,14 +132,15 @@ def test_a_shadow_changes_no_answer_and_its_figures_equal_an_offline_recomputati
     assert labelled.candidate_auc == pytest.approx(roc_auc_score(y, candidate[:300]), abs=1e-12)
 
 
-def test_a_busy_shadow_drops_the_next_sample_instead_of_queueing_it(models: Models) -> None:
+def test_a_shadow_waits_for_the_decisions_in_flight_and_drops_past_its_queue(models: Models) -> None:
     spec = parse_pipeline(models.document)
     requests = _requests(generate_transactions(2 * BATCH, seed=42))
 
-    async def run() -> ShadowComparison:
+    async def run() -> tuple[int, ShadowComparison]:
         runners = await serve_runners(spec)
         shadows = Shadows(spec, runners)
-        await shadows.configure({"fraud": {"artifact": str(models.candidate), "sample": 1.0}})
+        settings = {"artifact": str(models.candidate), "sample": 1.0, "max_in_flight": 1}
+        await shadows.configure({"fraud": settings})
         flow = flow_of(models.document, runners)  # decides; the shadow is offered its batches by hand
         stages, decided = [], []
         for start in (0, BATCH):
@@ -150,12 +151,17 @@ def test_a_busy_shadow_drops_the_next_sample_instead_of_queueing_it(models: Mode
             decided.append([(_decision(r), {m.model: _result(m) for m in r.models}) for r in responses])
         shadow = shadows.active["fraud"]
         ids = [[r.request_id for r in requests[s : s + BATCH]] for s in (0, BATCH)]
+        shadows.gate.enter()  # a decision is in flight: the shadow must not work
         shadow.offer(stages[0], ids[0], decided[0])
-        shadow.offer(stages[1], ids[1], decided[1])  # the first is still in flight: dropped
+        shadow.offer(stages[1], ids[1], decided[1])  # the first is still queued: dropped
+        await asyncio.sleep(0.2)
+        while_busy = shadow.comparison.compared
+        shadows.gate.leave()
         await shadows.idle()
-        return shadow.comparison
+        return while_busy, shadow.comparison
 
-    comparison = asyncio.run(run())
+    while_busy, comparison = asyncio.run(run())
+    assert while_busy == 0
     assert (comparison.compared, comparison.dropped) == (BATCH, BATCH)
 
 
@@ -171,7 +177,7 @@ def test_a_candidate_that_fails_the_swap_checks_is_not_run_and_says_why(models: 
     assert shadows.active == {}
     (figures,) = shadows.figures({})
     assert "a 'treelite' artifact, expected 'sklearn'" in figures.error
-    assert shadows.config() == {"fraud": {"artifact": str(models.broken), "sample": 0.5, "max_in_flight": 1}}
+    assert shadows.config() == {"fraud": {"artifact": str(models.broken), "sample": 0.5, "max_in_flight": 4}}
 
 
 def _raw(request: pb.DecideRequest) -> RawRequest:
