@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from riskserve.pipelines.local import LocalState, connected, read_state
 from riskserve.pipelines.publish import publish_artifacts
-from riskserve.pipelines.shadow import ShadowFigures, ShadowSettings
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.pipelines.swap import SwapResult, exclusive, swap
 from riskserve.platform.errors import InvalidInput, ModelLoadError, NotFound, RiskServeError
 from riskserve.platform.runner import CandidateReport
+
+if TYPE_CHECKING:  # the shadow module imports Ray, which must not happen before `connected` set it up
+    from riskserve.pipelines.shadow import ShadowFigures
 
 __all__ = ["promote_shadow", "shadow_status", "start_shadow", "stop_shadow"]
 
@@ -75,6 +77,8 @@ def shadow(spec: PipelineSpec, model: str, artifact: Path | str, sample: float) 
         NotFound: no such model. InvalidInput: not placed in the ingress, or ``sample`` not in (0, 1].
         ModelLoadError: the candidate failed a check; nothing changed.
     """
+    from riskserve.pipelines.shadow import ShadowSettings
+
     _model(spec, model)
     path = str(Path(artifact).resolve())
     settings = ShadowSettings(artifact=path, sample=sample)  # refuses a sample outside (0, 1]
@@ -113,6 +117,8 @@ def promote(spec: PipelineSpec, model: str) -> SwapResult:
     Raises:
         NotFound: ``model`` has no shadow. ModelLoadError: the swap refused the candidate (the shadow stays).
     """
+    from riskserve.pipelines.shadow import ShadowSettings
+
     config = _config(spec).get(model)
     if config is None:
         raise NotFound(f"{spec.name}/{model} has no shadow to promote")

@@ -194,3 +194,16 @@ def _result(score: pb.ModelScore) -> Any:
     from riskserve.pipelines.rules import ModelResult
 
     return ModelResult(score.model, score.version, score.score, latency_ms=score.latency_ms)
+
+
+def test_the_operator_commands_import_no_ray_before_they_connect() -> None:
+    """``connected`` sets Ray's loopback node address before Ray is imported; a CLI module that imported Ray
+    first would join the local cluster on the machine's public address and hang."""
+    import subprocess
+    import sys
+
+    code = "import sys, riskserve.cli, riskserve.pipelines.shadowing; print('ray' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "False"
