@@ -23,6 +23,7 @@ import collections
 import logging
 import math
 import random
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 _LATENCY_SAMPLES = 10_000
 """Latencies kept per model for the percentiles (the most recent)."""
+FIGURES_EVERY_S = 1.0
+"""How often a shadow's correlation and mean difference gauges are updated (its counters: every chunk)."""
 CHUNK_ROWS = 16
 """Rows a shadow scores and re-decides at a time on the event loop (tens of µs) before it yields again."""
 _PAIRS_KEPT = 200_000
@@ -266,6 +269,7 @@ class ShadowModel:
         self._metrics = metrics
         self._chance = chance
         self._gate = gate
+        self._figures_at = -math.inf
         self._tasks: set[asyncio.Task[None]] = set()
 
     def offer(
@@ -324,7 +328,12 @@ class ShadowModel:
                 comparison.add(sampled.ids[i], serving.score, score, (sampled.outcomes[i], outcome))
                 if outcome != sampled.outcomes[i]:
                     self._metrics.flip(sampled.outcomes[i], outcome)
-            self._metrics.compared(end - start, comparison.correlation, comparison.mean_difference)
+            now = time.monotonic()
+            if now - self._figures_at >= FIGURES_EVERY_S:  # gauges: a Ray call each, so not every chunk
+                self._figures_at = now
+                self._metrics.compared(end - start, comparison.correlation, comparison.mean_difference)
+            else:
+                self._metrics.compared(end - start, None, None)
             await asyncio.sleep(0)  # a decision that arrived meanwhile goes first
 
     async def idle(self) -> None:
