@@ -118,7 +118,11 @@ def _shadow_figures(pipeline: str) -> None:
               f"({f.dropped} dropped), score correlation {correlation}, mean difference {difference}, "
               f"flips {flips}; candidate p50 {latency:.2f} ms off the request path")  # fmt: skip
         if f.serving_logloss is not None and f.candidate_logloss is not None:
-            auc = f"AUC serving {f.serving_auc}, candidate {f.candidate_auc}"
+            auc = (
+                "AUC -"
+                if f.serving_auc is None or f.candidate_auc is None
+                else (f"AUC serving {f.serving_auc:.4f}, candidate {f.candidate_auc:.4f}")
+            )
             print(f"  on the {f.labelled} labelled decisions: log-loss serving {f.serving_logloss:.4f}, "
                   f"candidate {f.candidate_logloss:.4f}; {auc}")  # fmt: skip
 
