@@ -191,3 +191,27 @@ def test_a_reasons_section_naming_something_unknown_is_refused_with_its_path(
     with pytest.raises(ConfigError) as refused:
         parse_pipeline(tabular_document(Path("/nonexistent"), **reasons))
     assert message in str(refused.value)
+
+
+def test_a_model_that_fell_back_or_was_swapped_since_gives_no_reasons(pipeline: Pipeline) -> None:
+    from riskserve.features.encoder import FeatureEncoder, RawRequest
+    from riskserve.pipelines.rules import ModelResult
+
+    encoder = FeatureEncoder(pipeline.spec.features)
+    row = encoder.validate(
+        RawRequest(numeric={**TYPICAL["numeric"], **EXTREME}, categorical=TYPICAL["categorical"])
+    )  # type: ignore[arg-type]
+    matrix = encoder.encode([row]).matrix
+    versions = {name: runner.status().version or "" for name, runner in pipeline.runners.items()}
+
+    def models_named(**results: ModelResult) -> set[str]:
+        (reasons,) = pipeline.explainer.explain(matrix, [row], [results])
+        return {r.model for r in reasons}
+
+    served = {name: ModelResult(name, versions[name], 0.9) for name in ("credit", "fraud")}
+    assert models_named(**served) <= {"credit", "fraud"}
+    assert "fraud" in models_named(**served)
+    fell_back = ModelResult("fraud", "", 0.5, fallback=True, fallback_reason="TIMEOUT")
+    assert models_named(credit=served["credit"], fraud=fell_back) == {"credit"}
+    swapped = ModelResult("fraud", "another-version", 0.9)
+    assert models_named(credit=served["credit"], fraud=swapped) == {"credit"}
