@@ -41,6 +41,8 @@ test: lint typecheck
 bench: models
 	$(BIN)/python bench/models.py --models $(MODELS)
 	$(BIN)/python bench/hotpath.py --models $(MODELS)
+	$(BIN)/python bench/reasons.py --models $(MODELS)
+	$(BIN)/python bench/shadow.py --models $(MODELS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -6,6 +6,8 @@ riskserve decide --pipeline NAME --json '{...}'
 riskserve describe --pipeline NAME
 riskserve status
 riskserve down
+riskserve shadow PIPELINE MODEL CANDIDATE    score a candidate beside a model on live traffic (status,
+                                             promote, stop)
 riskserve export serve-config PIPELINE.yaml  print a `serve deploy`-able config
 riskserve demo                               the whole story on real gRPC
 """
@@ -70,7 +72,7 @@ def _target(args: argparse.Namespace) -> str:
 def _decide(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from riskserve.pipelines.client import RiskClient, split_fields
+    from riskserve.pipelines.client import RiskClient, reason_lines, split_fields
 
     try:
         fields = json.loads(args.json)
@@ -84,6 +86,16 @@ def _decide(args: argparse.Namespace) -> int:
             response = client.decide(**fields)
         else:
             response = client.decide_request(split_fields(fields))
+    if args.format == "text":
+        from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+
+        decision = pb.Decision.Name(response.decision)
+        print(f"{response.request_id}: {decision}, risk score {response.risk_score:.3f}")
+        for rule in response.reasons:
+            print(f"  rule  {rule}")
+        for line in reason_lines(response):
+            print(f"  why   {line}")
+        return 0
     print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
     return 0
 
@@ -153,6 +165,41 @@ def _rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shadow(args: argparse.Namespace) -> int:
+    """``shadow PIPELINE MODEL CANDIDATE [--sample S]``, ``shadow status [PIPELINE]``,
+    ``shadow promote PIPELINE MODEL``, ``shadow stop PIPELINE MODEL``."""
+    from riskserve.pipelines import shadowing
+
+    words = list(args.words)
+    if words[0] == "status" and len(words) <= 2:
+        statuses = shadowing.shadow_status(words[1] if len(words) == 2 else None)
+        for pipeline, figures in statuses.items():
+            if not figures:
+                print(f"{pipeline}: no shadow")
+            for shadow in figures:
+                print(f"{pipeline}/{shadow.model}: " + json.dumps(shadow.model_dump(), indent=2))
+        return 0
+    if words[0] in ("promote", "stop") and len(words) == 3:
+        if words[0] == "stop":
+            shadowing.stop_shadow(words[1], words[2])
+            print(f"{words[1]}/{words[2]}: shadow stopped")
+            return 0
+        result = shadowing.promote_shadow(words[1], words[2])
+        print(f"{result.pipeline}/{result.model}: promoted {result.old_version} -> {result.new_version} "
+              f"(all replicas in {result.seconds:.1f} s); shadow stopped")  # fmt: skip
+        return 0
+    if len(words) == 3:
+        report = shadowing.start_shadow(words[0], words[1], Path(words[2]), sample=args.sample)
+        where = f"{words[0]}/{words[1]}"
+        print(f"{where}: candidate {report.version} verified ({report.golden_rows} golden rows), scoring "
+              f"{args.sample:.0%} of live decisions; `riskserve shadow status` compares")  # fmt: skip
+        return 0
+    raise ConfigError(
+        "usage: riskserve shadow PIPELINE MODEL CANDIDATE [--sample S] | shadow status [PIPELINE] | "
+        "shadow promote PIPELINE MODEL | shadow stop PIPELINE MODEL"
+    )
+
+
 def _export(args: argparse.Namespace) -> int:
     import yaml
 
@@ -205,6 +252,10 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--json", required=True, help='fields, e.g. \'{"amount": 12.5, "channel": "pos"}\''
             )
+            command.add_argument(
+                "--format", choices=("json", "text"), default="json",
+                help="json: the whole response; text: the decision, the rules and the reason codes",
+            )  # fmt: skip
         command.set_defaults(handler=handler)
 
     feedback = commands.add_parser("feedback", help="report the true outcome of a past decision (gRPC)")
@@ -238,6 +289,15 @@ def _parser() -> argparse.ArgumentParser:
     rollback.add_argument("pipeline")
     rollback.add_argument("model")
     rollback.set_defaults(handler=_rollback)
+
+    shadow = commands.add_parser(
+        "shadow",
+        help="score a candidate beside a model on live traffic: PIPELINE MODEL CANDIDATE [--sample S] | "
+        "status [PIPELINE] | promote PIPELINE MODEL | stop PIPELINE MODEL",
+    )
+    shadow.add_argument("words", nargs="+", metavar="ARG")
+    shadow.add_argument("--sample", type=float, default=0.2, help="share of live decisions (default 0.2)")
+    shadow.set_defaults(handler=_shadow)
 
     export = commands.add_parser("export", help="generate deployment files")
     export_commands = export.add_subparsers(dest="export_command", required=True)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import yaml
 
-from riskserve.demo.build import build_demo_models
+from riskserve.demo.build import BuiltModel, build_demo_models
 from riskserve.demo.dataset import Transactions, generate_transactions
-from riskserve.pipelines.client import RiskClient
+from riskserve.pipelines.client import RiskClient, reason_lines
 from riskserve.pipelines.local import down, state_dir, up_local
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.platform.errors import RiskServeError
@@ -76,21 +76,64 @@ def _row(response: pb.DecideResponse, truth: str, latency_ms: float) -> str:
     )
 
 
+def _print_reasons(response: pb.DecideResponse | None) -> None:
+    """Why one declined transaction was declined: its reason codes, strongest first."""
+    if response is None:
+        print("\nno transaction was declined")
+        return
+    print(f"\nwhy {response.request_id} was declined (reason codes; contribution to each model's log-odds, "
+          "the intent's probability):")  # fmt: skip
+    for line in reason_lines(response) or ["(none: the pipeline lists no reasons for DECLINE)"]:
+        print(f"  {line}")
+
+
 def _fraud_version(client: RiskClient, row: dict[str, float | str]) -> str:
     response = client.decide_request(_request(row, "swap-probe"))
     return next(m.version for m in response.models if m.model == "fraud")
 
 
-def _hot_swap(client: RiskClient, models: Path, pipeline: str, row: dict[str, float | str]) -> None:
-    """Retrain the fraud model with another seed, swap it in, then roll back; nothing else restarts."""
-    from riskserve.pipelines.swap import rollback_model, swap_model
+def _shadow(client: RiskClient, models: Path, pipeline: str, row: dict[str, float | str]) -> BuiltModel:
+    """Retrain the fraud model with another seed and shadow it on every live decision from now on."""
+    from riskserve.pipelines.shadowing import start_shadow
 
-    candidates = models / "candidates"
-    (candidate,) = build_demo_models(candidates, seed=7, only=["fraud"], progress=False)
-    print(f"\nhot swap: fraud serves {_fraud_version(client, row)}; candidate {candidate.version} (seed 7, "
-          f"held-out AUC {candidate.value:.4f})")  # fmt: skip
-    swapped = swap_model(pipeline, "fraud", candidate.path)
-    print(f"  swap     {swapped.old_version} -> {swapped.new_version} in {swapped.seconds:.1f} s; "
+    (candidate,) = build_demo_models(models / "candidates", seed=7, only=["fraud"], progress=False)
+    print(
+        f"\nshadow: fraud serves {_fraud_version(client, row)}; candidate {candidate.version} (seed 7, "
+        f"held-out AUC {candidate.value:.4f}) scores every decision from now on, off the request path"
+    )
+    start_shadow(pipeline, "fraud", candidate.path, sample=1.0)
+    return candidate
+
+
+def _shadow_figures(pipeline: str) -> None:
+    """What the shadow saw on the decisions since it started."""
+    from riskserve.pipelines.shadowing import shadow_status
+
+    for f in shadow_status(pipeline)[pipeline]:
+        flips = ", ".join(f"{k} {v}" for k, v in sorted(f.flips.items())) or "none"
+        correlation = "-" if f.score_correlation is None else f"{f.score_correlation:.4f}"
+        difference = "-" if f.mean_difference is None else f"{f.mean_difference:+.4f}"
+        latency = f.candidate_latency_ms.get("p50", 0.0)
+        print(f"  {f.model} {f.serving_version} vs {f.candidate_version}: {f.compared} compared "
+              f"({f.dropped} dropped), score correlation {correlation}, mean difference {difference}, "
+              f"flips {flips}; candidate p50 {latency:.2f} ms off the request path")  # fmt: skip
+        if f.serving_logloss is not None and f.candidate_logloss is not None:
+            auc = (
+                "AUC -"
+                if f.serving_auc is None or f.candidate_auc is None
+                else (f"AUC serving {f.serving_auc:.4f}, candidate {f.candidate_auc:.4f}")
+            )
+            print(f"  on the {f.labelled} labelled decisions: log-loss serving {f.serving_logloss:.4f}, "
+                  f"candidate {f.candidate_logloss:.4f}; {auc}")  # fmt: skip
+
+
+def _hot_swap(client: RiskClient, pipeline: str, row: dict[str, float | str]) -> None:
+    """Promote the shadowed candidate (a verified hot swap), then roll back; nothing else restarts."""
+    from riskserve.pipelines.shadowing import promote_shadow
+    from riskserve.pipelines.swap import rollback_model
+
+    swapped = promote_shadow(pipeline, "fraud")
+    print(f"  promote  {swapped.old_version} -> {swapped.new_version} in {swapped.seconds:.1f} s (hot swap); "
           f"a decision now uses {_fraud_version(client, row)}")  # fmt: skip
     back = rollback_model(pipeline, "fraud")
     now = _fraud_version(client, row)
@@ -161,11 +204,15 @@ def run_demo(*, models: Path, pipeline: Path, grpc_port: int) -> int:
             )
             print(f"  {'ms':>6}  reasons")
             latencies = []
+            declined: pb.DecideResponse | None = None
             for i in sorted(frauds + legit):
                 t1 = time.perf_counter()
                 response = client.decide_request(_request(tx.row(i), f"tx-{i}"))
                 latencies.append((time.perf_counter() - t1) * 1e3)
                 print(_row(response, "fraud" if tx.is_fraud[i] else "ok", latencies[-1]))
+                if declined is None and response.decision == pb.DECLINE:
+                    declined = response
+            _print_reasons(declined)
             print("\nmalformed requests are refused before any model runs:")
             for label, body in MALFORMED:
                 try:
@@ -173,6 +220,7 @@ def run_demo(*, models: Path, pipeline: Path, grpc_port: int) -> int:
                     print(f"  {label:<16} unexpectedly accepted")
                 except RiskServeError as error:
                     print(f"  {label:<16} {type(error).__name__} (INVALID_ARGUMENT): {error}")
+            _shadow(client, models, state.pipelines[0], tx.row(0))
             batch = [_request(tx.row(i), f"b-{i}") for i in range(64)]
             t2 = time.perf_counter()
             client.decide_batch(batch)
@@ -183,8 +231,10 @@ def run_demo(*, models: Path, pipeline: Path, grpc_port: int) -> int:
                 latencies.append((time.perf_counter() - t1) * 1e3)
             ordered = sorted(latencies)
             p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-            _hot_swap(client, models, state.pipelines[0], tx.row(0))
             _feedback_loop(client, state.pipelines[0], tx, list(range(64)))
+            print("\nshadow comparison since it started:")
+            _shadow_figures(state.pipelines[0])
+            _hot_swap(client, state.pipelines[0], tx.row(0))
             p50 = statistics.median(ordered)
             print(
                 f"\n5/5 Decide latency, {len(ordered)} sequential calls: p50 {p50:.1f} ms, p99 {p99:.1f} ms"

@@ -199,3 +199,8 @@ class FeatureSpec(_Strict):
     def column_names(self) -> list[str]:
         """Every matrix column, in order."""
         return [name for column in self.columns for name in self.column_names_of(column)]
+
+    def column_fields(self) -> dict[str, str]:
+        """Each matrix column's request field (every one-hot, hash or transformed column names the field it
+        was computed from), so per-column attributions can be summed back to what the caller sent."""
+        return {name: column.field for column in self.columns for name in self.column_names_of(column)}

@@ -103,12 +103,17 @@ def _stage(
 
 
 def build_application(
-    spec: PipelineSpec, *, draining: bool = False, artifacts: dict[str, str] | None = None
+    spec: PipelineSpec,
+    *,
+    draining: bool = False,
+    artifacts: dict[str, str] | None = None,
+    shadows: dict[str, dict[str, Any]] | None = None,
 ) -> Application:
     """The Serve application of a validated pipeline.
 
     ``draining=True`` deploys the same application with the ingress draining (health NOT_SERVING);
-    ``artifacts`` overrides model artifacts (hot swap). Both travel as Serve ``user_config``, which Serve
+    ``artifacts`` overrides model artifacts (hot swap); ``shadows`` are candidates the ingress scores beside
+    its models (``riskserve shadow``). They travel as Serve ``user_config``, which Serve
     applies to every running replica in place (``reconfigure``) without restarting anything.
     """
     check_pools(spec)  # also refused by `riskserve up`, across all the pipelines it starts together
@@ -161,7 +166,7 @@ def build_application(
         PipelineIngress, names["ingress"], spec, spec.serving.ingress, data, num_cpus=ingress_cpus(spec)
     )
     ingress: Application = ingress_deployment.options(
-        user_config={"draining": draining, "artifacts": in_ingress}
+        user_config={"draining": draining, "artifacts": in_ingress, "shadows": shadows or {}}
     ).bind(data, features, models, feedback)
     return ingress
 

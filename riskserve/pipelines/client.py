@@ -16,7 +16,7 @@ from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.platform import errors
 
-__all__ = ["RiskClient", "split_fields"]
+__all__ = ["RiskClient", "reason_lines", "split_fields"]
 
 _BY_STATUS: dict[grpc.StatusCode, type[errors.RiskServeError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidInput,
@@ -60,6 +60,17 @@ def split_fields(fields: Mapping[str, Any]) -> pb.DecideRequest:
         else:
             raise errors.InvalidInput(f"unsupported value of type {type(value).__name__}", field=name)
     return request
+
+
+def reason_lines(response: pb.DecideResponse) -> list[str]:
+    """A decision's reason codes as lines a person reads, strongest first (empty when it has none).
+
+    The contribution is in the named model's log-odds (the text model's: its label's probability).
+    """
+    return [
+        f"{rank}. {r.text} ({r.field}={r.value}): {r.contribution:+.2f} {r.model}"
+        for rank, r in enumerate(response.top_reasons, start=1)
+    ]
 
 
 class RiskClient:

@@ -3,8 +3,9 @@
 Each ingress replica holds the feature stage, every model placed ``ingress`` (a :class:`ModelRunner` per
 model, hot-swapped through Serve's ``user_config`` like a model deployment), handles to the models in
 their own deployments, the decision flow and riskserve's own gRPC server. The tabular path of a decision
-never leaves this process. Operators reach the same replicas through Serve handles (status, swaps,
-learning), never through the data plane.
+never leaves this process, reason codes and shadow candidates (``user_config`` too) included. Operators
+reach the same replicas through Serve handles (status, swaps, shadows, learning), never through the data
+plane.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from riskserve.pipelines.guarded_call import GuardedModel, LocalEndpoint, Matrix
 from riskserve.pipelines.messages import describe_response
 from riskserve.pipelines.model_lane import Lanes, LaneUse
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.reasons import ReasonExplainer
+from riskserve.pipelines.shadow import ShadowFigures, Shadows
 from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import InvalidInput, ModelUnavailable, NotFound, RiskServeError
 from riskserve.platform.metrics import PipelineMetrics
@@ -84,8 +87,16 @@ class PipelineIngress:
         local_stage = None
         if serving.feature_stage == "ingress":
             local_stage = FeatureStage(spec["features"], spec.get("tracing"), serving.matrix_retain_s)
+        explainer = ReasonExplainer(self._spec, self._runners) if self._spec.reasons is not None else None
+        self._shadows = Shadows(self._spec, self._runners)
         self._flow = DecisionFlow(
-            self._spec, models=guarded, local_stage=local_stage, stage_handle=features, recorder=recorder
+            self._spec,
+            models=guarded,
+            local_stage=local_stage,
+            stage_handle=features,
+            recorder=recorder,
+            explainer=explainer,
+            shadows=self._shadows,
         )
         self._local_stage = local_stage
         self._features = features
@@ -106,12 +117,14 @@ class PipelineIngress:
         ``draining``: health reports NOT_SERVING (before a shutdown), so load balancers move away.
         ``artifacts``: what each model placed in the ingress serves (deploy, hot swap, learner publish);
         each flips atomically, calls in flight finish on the version they started with.
+        ``shadows``: candidates scoring a sample of live decisions beside a model (``riskserve shadow``).
         """
         self._draining = bool(config.get("draining", False))
         artifacts: dict[str, str] = dict(config.get("artifacts") or {})
         for name, runner in self._runners.items():
             artifact = artifacts.get(name) or str(self._spec.artifact_path(name))
             await runner.serve(artifact)
+        await self._shadows.configure(dict(config.get("shadows") or {}))
         await self._open()
         await self._report_health()
 
@@ -134,6 +147,7 @@ class PipelineIngress:
         if self._refresher is not None:
             self._refresher.cancel()
         await asyncio.shield(self._front_door.stop())
+        await asyncio.shield(self._shadows.stop())
         for runner in self._runners.values():
             await asyncio.shield(runner.stop())
         await asyncio.to_thread(shutdown_tracing)
@@ -221,6 +235,8 @@ class PipelineIngress:
             if isinstance(getattr(error, "cause", error), RiskServeError):
                 raise  # the service's own verdict (NOT_FOUND, ABORTED, ...); status_of unwraps it
             raise ModelUnavailable(f"the feedback log is unreachable: {error}") from error
+        if ack["accepted"] and not ack["duplicate"]:
+            self._shadows.label(request.decision_id or request.request_id, int(request.label))
         return pb.FeedbackResponse(
             accepted=ack["accepted"],
             duplicate=ack["duplicate"],
@@ -285,6 +301,17 @@ class PipelineIngress:
                 lanes = len(endpoint.lanes) if endpoint.lanes is not None else 0
                 uses[name] = LaneUse(lanes, endpoint.lane_calls, endpoint.handle_calls)
         return uses
+
+    def shadow_config(self) -> dict[str, dict[str, Any]]:
+        """The shadows this replica was asked to run (a redeploy must keep them)."""
+        return self._shadows.config()
+
+    async def shadow_status(self) -> list[ShadowFigures]:
+        """Every shadow's comparison figures in this replica."""
+        statuses = {name: runner.status() for name, runner in self._runners.items()}
+        versions = {name: str(status.version or "") for name, status in statuses.items()}
+        replica = next((status.actor_id for status in statuses.values()), "")
+        return [f.model_copy(update={"replica": replica}) for f in self._shadows.figures(versions)]
 
     def breaker_states(self) -> dict[str, str]:
         """Each model's breaker state in this ingress replica."""

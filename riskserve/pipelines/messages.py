@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from riskserve.features.encoder import RawRequest
 from riskserve.features.spec import CategoricalField, NumericField
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.reasons import Reason
 from riskserve.pipelines.rules import Decision, ModelResult
 from riskserve.pipelines.spec import PipelineSpec
 
@@ -26,6 +27,7 @@ def decide_response(
     results: Mapping[str, ModelResult],
     spec: PipelineSpec,
     trace_id: str,
+    top_reasons: Sequence[Reason] = (),
 ) -> pb.DecideResponse:
     """A ``DecideResponse`` with one ``ModelScore`` per model, in the pipeline's model order."""
     return pb.DecideResponse(
@@ -49,6 +51,10 @@ def decide_response(
         pipeline=spec.name,
         pipeline_version=spec.version,
         trace_id=trace_id,
+        top_reasons=[
+            pb.Reason(field=r.field, text=r.text, contribution=r.contribution, model=r.model, value=r.value)
+            for r in top_reasons
+        ],
     )
 
 

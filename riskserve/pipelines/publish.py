@@ -60,9 +60,11 @@ def live_artifacts(spec: PipelineSpec) -> dict[str, str]:
     return {name: str(call.result(timeout_s=30).artifact) for name, call in calls.items()}
 
 
-def publish_artifacts(spec: PipelineSpec, overrides: dict[str, str]) -> None:
-    """Serve ``overrides`` (model -> artifact directory) and keep the other models' current artifacts
-    and the ingress's draining state.
+def publish_artifacts(
+    spec: PipelineSpec, overrides: dict[str, str], *, shadows: dict[str, dict[str, Any]] | None = None
+) -> None:
+    """Serve ``overrides`` (model -> artifact directory) and keep the other models' current artifacts,
+    the ingress's draining state and its shadows (``shadows`` replaces them when given).
 
     Blocks until Serve reports the application running again (every replica reconfigured).
 
@@ -76,7 +78,9 @@ def publish_artifacts(spec: PipelineSpec, overrides: dict[str, str]) -> None:
 
     artifacts = {**live_artifacts(spec), **overrides}
     draining = bool(_ingress(spec).draining.remote().result())
-    app = build_application(spec, artifacts=artifacts, draining=draining)
+    if shadows is None:
+        shadows = dict(_ingress(spec).shadow_config.remote().result(timeout_s=30))
+    app = build_application(spec, artifacts=artifacts, draining=draining, shadows=shadows)
     # Checked last, just before the deploy: a redeploy of a pipeline being deleted would bring it back.
     status = application_status(spec.name)
     if status not in ("RUNNING", "DEPLOYING"):

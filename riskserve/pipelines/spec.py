@@ -29,6 +29,7 @@ __all__ = [
     "Outcome",
     "PipelineSpec",
     "PoolSpec",
+    "ReasonsSpec",
     "RuleSpec",
     "ServingSpec",
     "SigningSpec",
@@ -276,6 +277,34 @@ class DecisionSpec(_Strict):
     default_reason: str = "no rule matched"
 
 
+class ReasonsSpec(_Strict):
+    """Reason codes: the input fields that pushed a decision's score up, in words, for the outcomes listed
+    (computation in :mod:`riskserve.pipelines.reasons`). A decision of another outcome computes nothing.
+
+    Tabular models placed in the ingress attribute their log-odds exactly to their columns (the logistic
+    regression: coefficient × scaled value; XGBoost: TreeSHAP), summed back to the request field each
+    column was computed from; the text model gives its label and score when the label has a text here.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    top: int = Field(default=4, ge=1, le=32)
+    """Reasons per decision at most, strongest first, each naming a different field."""
+    for_: list[Outcome] = Field(default=["DECLINE", "REVIEW"], alias="for", min_length=1)
+    """Outcomes whose decisions carry reasons (written ``for:`` in YAML)."""
+    texts: dict[str, str] = Field(default_factory=dict)
+    """Per request field, the words a customer notice or an analyst reads (``amount: "amount unusually
+    high for this account"``); a field without a text is named as it is."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Per label of the text model, the words of its reason (``urgent: "message pressures for speed"``);
+    a label not listed here is no reason."""
+    models: list[str] | None = None
+    """Models whose contributions count; default: every model placed in the ingress that can attribute its
+    score, and the text model."""
+    min_contribution: float = Field(default=0.0, ge=0)
+    """A field whose contribution (log-odds) is at or below this is not a reason."""
+
+
 class StageSpec(_Strict):
     """Placement of a pipeline's own deployments (the feature stage, the ingress)."""
 
@@ -363,6 +392,8 @@ class PipelineSpec(_Strict):
     """The only directory ``riskserve swap`` takes candidates from (symlinks resolved); a model's own
     YAML artifact and its learned versions are always accepted. Default: the directory that holds the
     model's YAML artifact (``models/`` for ``models/fraud``). A relative path is relative to the YAML."""
+    reasons: ReasonsSpec | None = None
+    """Reason codes with the decisions of the outcomes listed (``top``, ``for``, per-field ``texts``)."""
     base_dir: Path = Field(default=Path("."), exclude=True)
     """Directory relative artifact paths are resolved against (the YAML file's; not written in YAML)."""
 
@@ -498,8 +529,36 @@ def _reference_errors(spec: PipelineSpec) -> list[str]:
         except ValidationError as error:
             for item in error.errors():
                 errors.append(f"{where}.settings.{_path(item['loc'])}: {item['msg']}")
+    errors += _reasons_errors(spec)
     errors += rule_errors(spec)
     return errors
+
+
+def _reasons_errors(spec: PipelineSpec) -> list[str]:
+    """A reasons section that names a field, model or placement the pipeline does not have."""
+    reasons = spec.reasons
+    if reasons is None:
+        return []
+    errors: list[str] = []
+    fields = spec.features.fields
+    for name in reasons.texts:
+        if name not in fields:
+            errors.append(f"reasons.texts.{name}: unknown field (fields: {', '.join(fields)})")
+    if reasons.labels and not any(m.reads_text for m in spec.models.values()):
+        errors.append("reasons.labels: the pipeline has no text model to give labels")
+    for i, name in enumerate(reasons.models or []):
+        model = spec.models.get(name)
+        if model is None:
+            errors.append(f"reasons.models[{i}]: unknown model '{name}' (models: {', '.join(spec.models)})")
+        elif not model.reads_text and not (model.in_ingress and model.kind in _EXPLAINING_KINDS):
+            kinds = sorted(_EXPLAINING_KINDS)
+            errors.append(f"reasons.models[{i}]: '{name}' cannot give reasons (only {kinds} models placed "
+                          "in the ingress, and text models)")  # fmt: skip
+    return errors
+
+
+_EXPLAINING_KINDS = frozenset({"treelite", "sklearn"})
+"""Backends that attribute their scores to their columns (``BaseModel.explains``)."""
 
 
 def parse_pipeline(data: object, *, base_dir: Path | str = ".", source: str = "pipeline") -> PipelineSpec:

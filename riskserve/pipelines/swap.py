@@ -33,6 +33,7 @@ __all__ = [
     "SwapResult",
     "admit_candidate",
     "artifact_overrides",
+    "exclusive",
     "learning_status",
     "rollback",
     "rollback_model",
@@ -78,9 +79,13 @@ def artifact_overrides(pipeline: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _exclusive(pipeline: str) -> Iterator[None]:
-    """One swap per pipeline at a time: a publish reads every model's artifact, so two swaps of different
-    models of one pipeline would undo each other too."""
+def exclusive(pipeline: str) -> Iterator[None]:
+    """One operation (swap, rollback, shadow) per pipeline at a time, across processes: a publish reads
+    every model's artifact, so two swaps of different models of one pipeline would undo each other too.
+
+    Raises:
+        Conflict: another one is running.
+    """
     directory = state_dir()
     directory.mkdir(parents=True, exist_ok=True)
     with (directory / f"swap-{pipeline}.lock").open("w") as handle:
@@ -139,7 +144,7 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
 
     pipeline = spec.name
     path = str(admit_candidate(spec, model, artifact))
-    with _exclusive(pipeline):
+    with exclusive(pipeline):
         ingress = serve.get_deployment_handle("ingress", app_name=pipeline)
         serving = model_status(spec, model)
         old_version, old_artifact = str(serving.version), serving.artifact
@@ -166,7 +171,7 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
 
 def _publish(spec: PipelineSpec, model: str, artifact: str, version: str, expected: str, old: str) -> None:
     """Publish a verified candidate through the pipeline's one publisher (see the module docstring)."""
-    if spec.feedback is None:  # no learner: this process is the only publisher, under _exclusive
+    if spec.feedback is None:  # no learner: this process is the only publisher, under exclusive()
         publish_checked(spec, model, artifact, version, old)
         return
     from ray import serve

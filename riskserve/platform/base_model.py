@@ -19,7 +19,7 @@ from pydantic import ConfigDict, Field
 
 from riskserve.platform.errors import ModelUnavailable
 
-__all__ = ["BaseModel", "ModelMetadata", "ModelOutput", "ModelSettings"]
+__all__ = ["BaseModel", "Contributions", "ModelMetadata", "ModelOutput", "ModelSettings"]
 
 
 class ModelSettings(_Schema):
@@ -64,6 +64,20 @@ class ModelOutput:
 
     def __len__(self) -> int:
         return int(self.scores.shape[0])
+
+
+@dataclass(frozen=True)
+class Contributions:
+    """Exact per-column attributions of a batch, in the model's margin (log-odds) units.
+
+    ``values[i].sum() + bias[i]`` is row ``i``'s margin, whose sigmoid is its score; ``columns`` names the
+    columns of ``values`` (the model's inputs, in order) and ``version`` the version that computed them.
+    """
+
+    values: NDArray[np.float64]
+    bias: NDArray[np.float64]
+    columns: tuple[str, ...]
+    version: str
 
 
 class ModelMetadata(_Schema):
@@ -141,6 +155,14 @@ class BaseModel(abc.ABC, Generic[InputT, SettingsT]):
     def predict_now(self, batch: InputT) -> ModelOutput:
         """:meth:`predict` without leaving the calling thread, for backends that set ``inline``."""
         raise NotImplementedError(f"{type(self).__name__} has no inline predict")
+
+    explains: ClassVar[bool] = False
+    """Whether :meth:`contributions` is implemented (exact attributions of a score to its columns)."""
+
+    def contributions(self, batch: InputT) -> Contributions:
+        """Exact per-column attributions of each row's margin (backends that set ``explains``); blocking,
+        so callers on an event loop run it in a worker thread when it is not cheap."""
+        raise NotImplementedError(f"{type(self).__name__} gives no contributions")
 
     async def unload(self) -> None:
         """Release what ``load`` acquired. The default has nothing to release."""

@@ -107,7 +107,14 @@ __all__ = [
     "MODEL_LATENCY",
     "MODEL_REQUESTS",
     "MODEL_VERSION_INFO",
+    "REASONS",
+    "REASONS_LATENCY",
     "REPORT_INTERVAL_ENV",
+    "SHADOW_COMPARED",
+    "SHADOW_DROPPED",
+    "SHADOW_FIGURE",
+    "SHADOW_FLIPS",
+    "SHADOW_LATENCY",
     "DecisionOutcome",
     "FallbackReason",
     "LabelRefusal",
@@ -116,6 +123,7 @@ __all__ = [
     "MetricType",
     "ModelMetrics",
     "PipelineMetrics",
+    "ShadowMetrics",
     "flush_metrics",
     "metrics_export_port",
     "metrics_targets",
@@ -281,6 +289,53 @@ FEATURE_LATENCY: Final = MetricSpec(
     ("pipeline",),
     LATENCY_BUCKETS_S,
 )
+REASONS: Final = MetricSpec(
+    "riskserve_reasons",
+    "counter",
+    "Decisions given reason codes (outcome=ok), or answered without them because computing them failed "
+    "(outcome=error).",
+    ("pipeline", "outcome"),
+)
+REASONS_LATENCY: Final = MetricSpec(
+    "riskserve_reasons_latency_seconds",
+    "histogram",
+    "Time to compute the reason codes of one decision call's explained decisions, in seconds.",
+    ("pipeline",),
+    LATENCY_BUCKETS_S,
+)
+_SHADOW_TAGS: Final = ("pipeline", "model", "candidate")
+SHADOW_COMPARED: Final = MetricSpec(
+    "riskserve_shadow_compared",
+    "counter",
+    "Live decisions a shadow candidate also scored (off the request path), by model and candidate version.",
+    _SHADOW_TAGS,
+)
+SHADOW_DROPPED: Final = MetricSpec(
+    "riskserve_shadow_dropped",
+    "counter",
+    "Sampled decisions a shadow dropped because it was busy (under load) or failed.",
+    _SHADOW_TAGS,
+)
+SHADOW_FLIPS: Final = MetricSpec(
+    "riskserve_shadow_flips",
+    "counter",
+    "Compared decisions whose outcome the candidate would change, by serving and candidate outcome.",
+    (*_SHADOW_TAGS, "serving", "shadow"),
+)
+SHADOW_LATENCY: Final = MetricSpec(
+    "riskserve_shadow_latency_seconds",
+    "histogram",
+    "Time a shadow candidate took to score one sampled batch, in seconds.",
+    _SHADOW_TAGS,
+    LATENCY_BUCKETS_S,
+)
+SHADOW_FIGURE: Final = MetricSpec(
+    "riskserve_shadow_figure",
+    "gauge",
+    "A shadow's comparison figure in this replica: score_correlation, mean_difference, and once labels "
+    "arrive serving_logloss, candidate_logloss, serving_auc, candidate_auc.",
+    (*_SHADOW_TAGS, "figure"),
+)
 
 LABELS_REFUSED: Final = MetricSpec(
     "riskserve_labels_refused",
@@ -318,6 +373,13 @@ ALL_METRICS: Final[tuple[MetricSpec, ...]] = (
     LABELS_REFUSED,
     LEARNING_PAUSED,
     LEARNING_DRIFT,
+    REASONS,
+    REASONS_LATENCY,
+    SHADOW_COMPARED,
+    SHADOW_DROPPED,
+    SHADOW_FLIPS,
+    SHADOW_LATENCY,
+    SHADOW_FIGURE,
 )
 
 _Tags = tuple[tuple[str, str], ...]
@@ -707,6 +769,64 @@ class PipelineMetrics:
     def feature_latency(self, seconds: float) -> None:
         """Time of the feature stage for one decision call."""
         _registry().add(FEATURE_LATENCY, (("pipeline", self.pipeline),), seconds, 1.0)
+
+    def reasons(self, rows: int, seconds: float) -> None:
+        """``rows`` decisions of one call given reason codes, computed in ``seconds``."""
+        registry = _registry()
+        series = (("pipeline", self.pipeline), ("outcome", "ok"))
+        registry.add(REASONS, series, float(rows), float(rows))
+        registry.add(REASONS_LATENCY, (("pipeline", self.pipeline),), seconds, 1.0)
+
+    def reasons_failed(self, rows: int) -> None:
+        """``rows`` decisions answered without the reason codes they should have had."""
+        series = (("pipeline", self.pipeline), ("outcome", "error"))
+        _registry().add(REASONS, series, float(rows), float(rows))
+
+
+class ShadowMetrics:
+    """The metrics of one shadow candidate beside one model of a pipeline, recorded by the ingress."""
+
+    def __init__(self, pipeline: str, model: str, candidate: str) -> None:
+        """``candidate``: the candidate's version."""
+        self._tags = {"pipeline": pipeline, "model": model, "candidate": candidate}
+
+    def __repr__(self) -> str:
+        return f"ShadowMetrics({self._tags!r})"
+
+    def compared(self, rows: int, correlation: float | None, mean_difference: float | None) -> None:
+        """``rows`` more decisions compared; the running correlation and mean difference."""
+        registry = _registry()
+        registry.inc(SHADOW_COMPARED, self._tags, float(rows))
+        self._figures({"score_correlation": correlation, "mean_difference": mean_difference})
+
+    def dropped(self, rows: int) -> None:
+        """``rows`` sampled decisions dropped (the shadow was busy, or failed)."""
+        _registry().inc(SHADOW_DROPPED, self._tags, float(rows))
+
+    def flip(self, serving: str, shadow: str) -> None:
+        """One compared decision whose outcome the candidate would change."""
+        _registry().inc(SHADOW_FLIPS, {**self._tags, "serving": serving, "shadow": shadow})
+
+    def latency(self, seconds: float) -> None:
+        """One sampled batch scored by the candidate."""
+        _registry().observe(SHADOW_LATENCY, self._tags, seconds)
+
+    def quality(self, figures: Mapping[str, float | None]) -> None:
+        """Both models' log-loss and AUC on the labelled compared decisions."""
+        self._figures(figures)
+
+    def _figures(self, figures: Mapping[str, float | None]) -> None:
+        registry = _registry()
+        for name, value in figures.items():
+            if value is not None:
+                registry.set_gauge(SHADOW_FIGURE, {**self._tags, "figure": name}, value)
+
+    def forget(self) -> None:
+        """Stop exporting this shadow's gauges (it was stopped or promoted)."""
+        registry = _registry()
+        for name in ("score_correlation", "mean_difference", "serving_logloss", "candidate_logloss",
+                     "serving_auc", "candidate_auc"):  # fmt: skip
+            registry.forget(SHADOW_FIGURE, {**self._tags, "figure": name})
 
 
 class LearningMetrics:

@@ -22,7 +22,7 @@ from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict
 
 from riskserve.platform.artifacts import open_artifact
-from riskserve.platform.base_model import ModelOutput
+from riskserve.platform.base_model import Contributions, ModelOutput
 from riskserve.platform.errors import (
     ConfigError,
     InlineBusy,
@@ -98,6 +98,8 @@ def _actor_id() -> str:
     try:
         import ray
 
+        if not ray.is_initialized():  # get_runtime_context() would start a local Ray just to say "none"
+            return ""
         return str(ray.get_runtime_context().get_actor_id() or "")
     except Exception:  # outside Ray (unit tests, the bench floor)
         return ""
@@ -303,6 +305,27 @@ class ModelRunner:
         finally:
             loaded.in_flight -= 1
         return self._answer(output, started)
+
+    @property
+    def explains(self) -> bool:
+        """Whether the serving version can attribute its scores to its columns (:meth:`contributions`)."""
+        loaded = self._loaded
+        return loaded is not None and loaded.host.model.explains
+
+    def contributions(self, matrix: FeatureMatrix) -> Contributions:
+        """Exact attributions of the serving version's margins to the columns it reads (blocking: a
+        caller on an event loop decides whether it is cheap enough to run there).
+
+        Raises:
+            ModelUnavailable: nothing is loaded, or the backend gives no contributions.
+        """
+        loaded = self._current()
+        model = loaded.host.model
+        if not (model.ready and model.explains):
+            raise ModelUnavailable(f"model '{self.name}' gives no contributions")
+        batch = matrix if loaded.select is None else np.ascontiguousarray(matrix[:, loaded.select])
+        contributions: Contributions = model.contributions(batch)
+        return contributions
 
     async def predict_texts(self, texts: list[str]) -> ModelAnswer:
         """Label a batch of texts."""

@@ -38,7 +38,7 @@ from riskserve.platform.artifacts import (
     sha256_bytes,
     write_manifest,
 )
-from riskserve.platform.base_model import BaseModel, ModelOutput, ModelSettings
+from riskserve.platform.base_model import BaseModel, Contributions, ModelOutput, ModelSettings
 from riskserve.platform.errors import InvalidInput, ModelLoadError, NotFound
 from riskserve.platform.validation import FeatureMatrix, check_feature_matrix
 
@@ -203,6 +203,13 @@ class LinearSnapshot:
         """The scaler's scale as scikit-learn applies it to float32 rows."""
         return self.scale.astype(np.float32)
 
+    def contributions(self, batch: NDArray[np.float32]) -> tuple[NDArray[np.float64], float]:
+        """Each column's exact share of the log-odds, coefficient × scaled value, and the intercept: per row
+        they sum to the margin :meth:`score` passes through the sigmoid (scikit-learn's
+        ``decision_function``). A column at the training mean contributes 0."""
+        scaled = (batch - self.mean32) / self.scale32
+        return scaled.astype(np.float64) * self.coef, self.params.intercept
+
     def score_floor(self, batch: NDArray[np.float32]) -> NDArray[np.float64]:
         """Plain numpy ``expit(((x - mean) / scale) @ w + b)``: the floor scikit-learn is measured against."""
         z = ((batch - self.mean) / self.scale) @ self.coef + self.params.intercept
@@ -306,6 +313,16 @@ class SklearnModel(BaseModel[FeatureMatrix, SklearnSettings]):
         snapshot = self.snapshot  # read once: a publish during this call does not change what it runs on
         check_feature_matrix(batch, self._feature_names)
         return ModelOutput(scores=snapshot.score(batch), version=snapshot.version)
+
+    explains = True
+
+    def contributions(self, batch: FeatureMatrix) -> Contributions:
+        """Exact per-column log-odds contributions of the serving version (microseconds for a few rows)."""
+        snapshot = self.snapshot
+        check_feature_matrix(batch, self._feature_names)
+        values, intercept = snapshot.contributions(batch)
+        bias = np.full(batch.shape[0], intercept, dtype=np.float64)
+        return Contributions(values, bias, tuple(self._feature_names), snapshot.version)
 
     def score_sync(self, batch: FeatureMatrix, snapshot: LinearSnapshot | None = None) -> NDArray[np.float64]:
         """Score with one version from start to end; large batches are split over threads."""

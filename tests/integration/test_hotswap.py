@@ -8,6 +8,7 @@ version that scored it. The LLM, in a deployment of its own, is not touched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import threading
@@ -302,3 +303,64 @@ def test_a_large_batch_in_flight_in_the_ingress_finishes_on_the_version_it_start
     after = model_status(spec, "fraud")
     assert after.version == candidate
     assert (after.pid, after.actor_id, after.started_at) == (before.pid, before.actor_id, before.started_at)
+
+
+def test_a_shadow_on_live_traffic_changes_no_answer_and_promotes_as_a_verified_swap(
+    pipeline: PipelineSpec, candidates: dict[str, Path]
+) -> None:
+    """The candidate scores every decision beside the serving fraud model in both ingress replicas; every
+    answer stays the serving model's; the figures count each decision once; promote is a verified swap."""
+    from riskserve.pipelines.shadowing import _config, _figures, promote, shadow
+
+    start = model_status(pipeline, "fraud")
+    serving = start.version
+    candidate = open_artifact(candidates["seed1"], kind="sklearn").version
+    if serving == candidate:  # an earlier test left seed1 serving: shadow seed2 instead
+        candidate_path = candidates["seed2"]
+        candidate = open_artifact(candidate_path, kind="sklearn").version
+    else:
+        candidate_path = candidates["seed1"]
+    requests = [pb.DecideRequest(request_id=f"s{i}", **REQUEST) for i in range(24)]
+
+    def decide_all() -> list[pb.DecideResponse]:
+        answers = []
+        for half in (requests[:12], requests[12:]):  # two connections: the kernel spreads them over replicas
+            with own_connection(endpoint(pipeline)) as channel:
+                stub = pb_grpc.RiskPipelineStub(channel)  # type: ignore[no-untyped-call]
+                metadata = (("application", pipeline.name),)
+                answers += [stub.Decide(r, metadata=metadata, timeout=20) for r in half]
+        return answers
+
+    def tabular(response: pb.DecideResponse) -> list[tuple[str, str, float]]:
+        return [(m.model, m.version, m.score) for m in response.models if m.model != "intent"]
+
+    before = decide_all()
+    report = shadow(pipeline, "fraud", candidate_path, sample=1.0)
+    try:
+        assert report.version == candidate
+        during = decide_all()
+        assert [tabular(r) for r in during] == [tabular(r) for r in before]
+        assert {m.version for r in during for m in r.models if m.model == "fraud"} == {serving}
+        deadline = time.monotonic() + 30
+        while True:  # the samples are scored in the background: wait until each one is counted
+            figures = _figures(pipeline)
+            if sum(f.compared + f.dropped for f in figures) >= len(requests) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert len({f.replica for f in figures}) == INGRESS_REPLICAS
+        assert {(f.model, f.serving_version, f.candidate_version, f.error) for f in figures} == {
+            ("fraud", serving, candidate, "")
+        }
+        assert sum(f.compared + f.dropped for f in figures) == len(requests)
+        assert sum(f.compared for f in figures) > 0
+        result = promote(pipeline, "fraud")
+    except BaseException:
+        from riskserve.pipelines.shadowing import stop
+
+        with contextlib.suppress(Exception):  # leave no shadow behind for the next test
+            stop(pipeline, "fraud")
+        raise
+    assert (result.old_version, result.new_version) == (serving, candidate)
+    assert set(_fraud_on_every_replica(pipeline).values()) == {candidate}
+    assert _config(pipeline) == {}
+    swap(pipeline, "fraud", start.artifact)  # leave the module's pipeline as it was

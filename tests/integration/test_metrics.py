@@ -43,6 +43,7 @@ from riskserve.platform.metrics import (
     LearningMetrics,
     ModelMetrics,
     PipelineMetrics,
+    ShadowMetrics,
     metrics_export_port,
 )
 
@@ -97,6 +98,7 @@ class MetricsProbe:
 
     def __init__(self) -> None:
         self.pipeline = PipelineMetrics(APP)
+        self.shadow = ShadowMetrics(APP, "fraud", "candidate-version")
         self.models = {name: ModelMetrics(name, kind) for name, kind in KINDS.items()}
         for metrics in self.models.values():
             metrics.breaker_state("closed")  # set once, long before any scrape: must still be exported
@@ -117,6 +119,13 @@ class MetricsProbe:
                     metrics.fallback(step[name])
                     metrics.breaker_state("open")
         self.pipeline.decision(step["outcome"])
+        if step["outcome"] != "APPROVE":
+            self.pipeline.reasons(1, 0.001)
+            self.shadow.compared(1, 0.9, 0.01)  # a shadow of fraud compares the risky decisions
+            self.shadow.flip("DECLINE", "REVIEW")
+            self.shadow.latency(0.0005)
+            self.shadow.dropped(1)
+            self.shadow.quality({"serving_auc": 0.9, "candidate_auc": 0.91})
         self.pipeline.decision_latency(time.perf_counter() - started)
 
     def invalid(self, field: str) -> None:

@@ -170,6 +170,21 @@ def test_scores_equal_the_models_run_locally_and_the_rules_are_applied(
     assert any(r.startswith("high_risk:") for r in response.reasons)
     assert any(r.startswith("pressure_language:") for r in response.reasons)
     assert any(r.startswith("new_device_abroad:") for r in response.reasons)
+    # Reason codes over the wire: the intent's label first (its YAML text), then the fields that raised
+    # the tabular models' log-odds most, each once, strongest first; an APPROVE carries none.
+    reasons = list(response.top_reasons)
+    assert reasons, "a DECLINE of card_fraud carries reason codes"
+    assert len(reasons) <= 4
+    assert (reasons[0].field, reasons[0].model, reasons[0].value) == ("text", "intent", "urgent")
+    assert spec.reasons is not None
+    assert reasons[0].text == spec.reasons.labels["urgent"]
+    tabular = reasons[1:]
+    assert len({r.field for r in tabular}) == len(tabular)
+    assert all(r.contribution > 0 and r.model in ("credit", "fraud") for r in tabular)
+    assert [r.contribution for r in tabular] == sorted((r.contribution for r in tabular), reverse=True)
+    legit = stubs["card_fraud"].Decide(_request(LEGIT), metadata=_md("card_fraud"), timeout=30)
+    assert legit.decision == pb.APPROVE
+    assert list(legit.top_reasons) == []
 
 
 BAD = [

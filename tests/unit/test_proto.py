@@ -14,10 +14,12 @@ def test_the_contract_keeps_its_field_numbers() -> None:
     fields = {f.name: f.number for f in pb.DecideResponse.DESCRIPTOR.fields}
     assert fields == {
         "request_id": 1, "decision": 2, "risk_score": 3, "models": 4, "reasons": 5, "pipeline": 6,
-        "pipeline_version": 7, "trace_id": 8, "decision_id": 9,
+        "pipeline_version": 7, "trace_id": 8, "decision_id": 9, "top_reasons": 10,
     }  # fmt: skip
     feedback = {f.name: f.number for f in pb.FeedbackRequest.DESCRIPTOR.fields}
     assert feedback == {"request_id": 1, "label": 2, "feedback_id": 3, "source": 4, "decision_id": 5}
+    reason = {f.name: f.number for f in pb.Reason.DESCRIPTOR.fields}
+    assert reason == {"field": 1, "text": 2, "contribution": 3, "model": 4, "value": 5}
     assert [m.name for m in pb.DESCRIPTOR.services_by_name["RiskPipeline"].methods] == [
         "Decide", "DecideBatch", "Describe", "Feedback",
     ]  # fmt: skip

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n riskserve/v1/risk_pipeline.proto\x12\x0criskserve.v1\"\x93\x02\n\rDecideRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x39\n\x07numeric\x18\x02 \x03(\x0b\x32(.riskserve.v1.DecideRequest.NumericEntry\x12\x41\n\x0b\x63\x61tegorical\x18\x03 \x03(\x0b\x32,.riskserve.v1.DecideRequest.CategoricalEntry\x12\x0c\n\x04text\x18\x04 \x01(\t\x1a.\n\x0cNumericEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x43\x61tegoricalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x89\x01\n\nModelScore\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x01\x12\r\n\x05label\x18\x04 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x05 \x01(\x08\x12\x17\n\x0f\x66\x61llback_reason\x18\x06 \x01(\t\x12\x12\n\nlatency_ms\x18\x07 \x01(\x01\"\xf0\x01\n\x0e\x44\x65\x63ideResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0e\x32\x16.riskserve.v1.Decision\x12\x12\n\nrisk_score\x18\x03 \x01(\x01\x12(\n\x06models\x18\x04 \x03(\x0b\x32\x18.riskserve.v1.ModelScore\x12\x0f\n\x07reasons\x18\x05 \x03(\t\x12\x10\n\x08pipeline\x18\x06 \x01(\t\x12\x18\n\x10pipeline_version\x18\x07 \x01(\t\x12\x10\n\x08trace_id\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\t \x01(\t\"C\n\x12\x44\x65\x63ideBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.riskserve.v1.DecideRequest\"F\n\x13\x44\x65\x63ideBatchResponse\x12/\n\tresponses\x18\x01 \x03(\x0b\x32\x1c.riskserve.v1.DecideResponse\"\x11\n\x0f\x44\x65scribeRequest\"\x83\x01\n\x0b\x46\x65\x61tureInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08required\x18\x03 \x01(\x08\x12\x10\n\x03min\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x03max\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\ncategories\x18\x06 \x03(\tB\x06\n\x04_minB\x06\n\x04_max\"X\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0c\n\x04pool\x18\x04 \x01(\t\x12\x10\n\x08replicas\x18\x05 \x01(\x05\"\x8b\x01\n\x10\x44\x65scribeResponse\x12\x10\n\x08pipeline\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12+\n\x08\x66\x65\x61tures\x18\x03 \x03(\x0b\x32\x19.riskserve.v1.FeatureInfo\x12\'\n\x06models\x18\x04 \x03(\x0b\x32\x17.riskserve.v1.ModelInfo\"n\n\x0f\x46\x65\x65\x64\x62\x61\x63kRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05label\x18\x02 \x01(\x05\x12\x13\n\x0b\x66\x65\x65\x64\x62\x61\x63k_id\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x05 \x01(\t\"[\n\x10\x46\x65\x65\x64\x62\x61\x63kResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x03*J\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41PPROVE\x10\x01\x12\n\n\x06REVIEW\x10\x02\x12\x0b\n\x07\x44\x45\x43LINE\x10\x03\x32\xbd\x02\n\x0cRiskPipeline\x12\x43\n\x06\x44\x65\x63ide\x12\x1b.riskserve.v1.DecideRequest\x1a\x1c.riskserve.v1.DecideResponse\x12R\n\x0b\x44\x65\x63ideBatch\x12 .riskserve.v1.DecideBatchRequest\x1a!.riskserve.v1.DecideBatchResponse\x12I\n\x08\x44\x65scribe\x12\x1d.riskserve.v1.DescribeRequest\x1a\x1e.riskserve.v1.DescribeResponse\x12I\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x1d.riskserve.v1.FeedbackRequest\x1a\x1e.riskserve.v1.FeedbackResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n riskserve/v1/risk_pipeline.proto\x12\x0criskserve.v1\"\x93\x02\n\rDecideRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x39\n\x07numeric\x18\x02 \x03(\x0b\x32(.riskserve.v1.DecideRequest.NumericEntry\x12\x41\n\x0b\x63\x61tegorical\x18\x03 \x03(\x0b\x32,.riskserve.v1.DecideRequest.CategoricalEntry\x12\x0c\n\x04text\x18\x04 \x01(\t\x1a.\n\x0cNumericEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x43\x61tegoricalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x89\x01\n\nModelScore\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x01\x12\r\n\x05label\x18\x04 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x05 \x01(\x08\x12\x17\n\x0f\x66\x61llback_reason\x18\x06 \x01(\t\x12\x12\n\nlatency_ms\x18\x07 \x01(\x01\"\x9b\x02\n\x0e\x44\x65\x63ideResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0e\x32\x16.riskserve.v1.Decision\x12\x12\n\nrisk_score\x18\x03 \x01(\x01\x12(\n\x06models\x18\x04 \x03(\x0b\x32\x18.riskserve.v1.ModelScore\x12\x0f\n\x07reasons\x18\x05 \x03(\t\x12\x10\n\x08pipeline\x18\x06 \x01(\t\x12\x18\n\x10pipeline_version\x18\x07 \x01(\t\x12\x10\n\x08trace_id\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\t \x01(\t\x12)\n\x0btop_reasons\x18\n \x03(\x0b\x32\x14.riskserve.v1.Reason\"Y\n\x06Reason\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0c\x63ontribution\x18\x03 \x01(\x01\x12\r\n\x05model\x18\x04 \x01(\t\x12\r\n\x05value\x18\x05 \x01(\t\"C\n\x12\x44\x65\x63ideBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.riskserve.v1.DecideRequest\"F\n\x13\x44\x65\x63ideBatchResponse\x12/\n\tresponses\x18\x01 \x03(\x0b\x32\x1c.riskserve.v1.DecideResponse\"\x11\n\x0f\x44\x65scribeRequest\"\x83\x01\n\x0b\x46\x65\x61tureInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08required\x18\x03 \x01(\x08\x12\x10\n\x03min\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x03max\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\ncategories\x18\x06 \x03(\tB\x06\n\x04_minB\x06\n\x04_max\"X\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0c\n\x04pool\x18\x04 \x01(\t\x12\x10\n\x08replicas\x18\x05 \x01(\x05\"\x8b\x01\n\x10\x44\x65scribeResponse\x12\x10\n\x08pipeline\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12+\n\x08\x66\x65\x61tures\x18\x03 \x03(\x0b\x32\x19.riskserve.v1.FeatureInfo\x12\'\n\x06models\x18\x04 \x03(\x0b\x32\x17.riskserve.v1.ModelInfo\"n\n\x0f\x46\x65\x65\x64\x62\x61\x63kRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05label\x18\x02 \x01(\x05\x12\x13\n\x0b\x66\x65\x65\x64\x62\x61\x63k_id\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x05 \x01(\t\"[\n\x10\x46\x65\x65\x64\x62\x61\x63kResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x03*J\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41PPROVE\x10\x01\x12\n\n\x06REVIEW\x10\x02\x12\x0b\n\x07\x44\x45\x43LINE\x10\x03\x32\xbd\x02\n\x0cRiskPipeline\x12\x43\n\x06\x44\x65\x63ide\x12\x1b.riskserve.v1.DecideRequest\x1a\x1c.riskserve.v1.DecideResponse\x12R\n\x0b\x44\x65\x63ideBatch\x12 .riskserve.v1.DecideBatchRequest\x1a!.riskserve.v1.DecideBatchResponse\x12I\n\x08\x44\x65scribe\x12\x1d.riskserve.v1.DescribeRequest\x1a\x1e.riskserve.v1.DescribeResponse\x12I\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x1d.riskserve.v1.FeedbackRequest\x1a\x1e.riskserve.v1.FeedbackResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECIDEREQUEST_NUMERICENTRY']._serialized_options = b'8\001'
   _globals['_DECIDEREQUEST_CATEGORICALENTRY']._loaded_options = None
   _globals['_DECIDEREQUEST_CATEGORICALENTRY']._serialized_options = b'8\001'
-  _globals['_DECISION']._serialized_start=1442
-  _globals['_DECISION']._serialized_end=1516
+  _globals['_DECISION']._serialized_start=1576
+  _globals['_DECISION']._serialized_end=1650
   _globals['_DECIDEREQUEST']._serialized_start=51
   _globals['_DECIDEREQUEST']._serialized_end=326
   _globals['_DECIDEREQUEST_NUMERICENTRY']._serialized_start=228
@@ -47,23 +47,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELSCORE']._serialized_start=329
   _globals['_MODELSCORE']._serialized_end=466
   _globals['_DECIDERESPONSE']._serialized_start=469
-  _globals['_DECIDERESPONSE']._serialized_end=709
-  _globals['_DECIDEBATCHREQUEST']._serialized_start=711
-  _globals['_DECIDEBATCHREQUEST']._serialized_end=778
-  _globals['_DECIDEBATCHRESPONSE']._serialized_start=780
-  _globals['_DECIDEBATCHRESPONSE']._serialized_end=850
-  _globals['_DESCRIBEREQUEST']._serialized_start=852
-  _globals['_DESCRIBEREQUEST']._serialized_end=869
-  _globals['_FEATUREINFO']._serialized_start=872
-  _globals['_FEATUREINFO']._serialized_end=1003
-  _globals['_MODELINFO']._serialized_start=1005
-  _globals['_MODELINFO']._serialized_end=1093
-  _globals['_DESCRIBERESPONSE']._serialized_start=1096
-  _globals['_DESCRIBERESPONSE']._serialized_end=1235
-  _globals['_FEEDBACKREQUEST']._serialized_start=1237
-  _globals['_FEEDBACKREQUEST']._serialized_end=1347
-  _globals['_FEEDBACKRESPONSE']._serialized_start=1349
-  _globals['_FEEDBACKRESPONSE']._serialized_end=1440
-  _globals['_RISKPIPELINE']._serialized_start=1519
-  _globals['_RISKPIPELINE']._serialized_end=1836
+  _globals['_DECIDERESPONSE']._serialized_end=752
+  _globals['_REASON']._serialized_start=754
+  _globals['_REASON']._serialized_end=843
+  _globals['_DECIDEBATCHREQUEST']._serialized_start=845
+  _globals['_DECIDEBATCHREQUEST']._serialized_end=912
+  _globals['_DECIDEBATCHRESPONSE']._serialized_start=914
+  _globals['_DECIDEBATCHRESPONSE']._serialized_end=984
+  _globals['_DESCRIBEREQUEST']._serialized_start=986
+  _globals['_DESCRIBEREQUEST']._serialized_end=1003
+  _globals['_FEATUREINFO']._serialized_start=1006
+  _globals['_FEATUREINFO']._serialized_end=1137
+  _globals['_MODELINFO']._serialized_start=1139
+  _globals['_MODELINFO']._serialized_end=1227
+  _globals['_DESCRIBERESPONSE']._serialized_start=1230
+  _globals['_DESCRIBERESPONSE']._serialized_end=1369
+  _globals['_FEEDBACKREQUEST']._serialized_start=1371
+  _globals['_FEEDBACKREQUEST']._serialized_end=1481
+  _globals['_FEEDBACKRESPONSE']._serialized_start=1483
+  _globals['_FEEDBACKRESPONSE']._serialized_end=1574
+  _globals['_RISKPIPELINE']._serialized_start=1653
+  _globals['_RISKPIPELINE']._serialized_end=1970
 # @@protoc_insertion_point(module_scope)

@@ -64,7 +64,7 @@ class ModelScore(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., score: _Optional[float] = ..., label: _Optional[str] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., latency_ms: _Optional[float] = ...) -> None: ...
 
 class DecideResponse(_message.Message):
-    __slots__ = ("request_id", "decision", "risk_score", "models", "reasons", "pipeline", "pipeline_version", "trace_id", "decision_id")
+    __slots__ = ("request_id", "decision", "risk_score", "models", "reasons", "pipeline", "pipeline_version", "trace_id", "decision_id", "top_reasons")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     RISK_SCORE_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class DecideResponse(_message.Message):
     PIPELINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOP_REASONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decision: Decision
     risk_score: float
@@ -83,7 +84,22 @@ class DecideResponse(_message.Message):
     pipeline_version: str
     trace_id: str
     decision_id: str
-    def __init__(self, request_id: _Optional[str] = ..., decision: _Optional[_Union[Decision, str]] = ..., risk_score: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelScore, _Mapping]]] = ..., reasons: _Optional[_Iterable[str]] = ..., pipeline: _Optional[str] = ..., pipeline_version: _Optional[str] = ..., trace_id: _Optional[str] = ..., decision_id: _Optional[str] = ...) -> None: ...
+    top_reasons: _containers.RepeatedCompositeFieldContainer[Reason]
+    def __init__(self, request_id: _Optional[str] = ..., decision: _Optional[_Union[Decision, str]] = ..., risk_score: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelScore, _Mapping]]] = ..., reasons: _Optional[_Iterable[str]] = ..., pipeline: _Optional[str] = ..., pipeline_version: _Optional[str] = ..., trace_id: _Optional[str] = ..., decision_id: _Optional[str] = ..., top_reasons: _Optional[_Iterable[_Union[Reason, _Mapping]]] = ...) -> None: ...
+
+class Reason(_message.Message):
+    __slots__ = ("field", "text", "contribution", "model", "value")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    text: str
+    contribution: float
+    model: str
+    value: str
+    def __init__(self, field: _Optional[str] = ..., text: _Optional[str] = ..., contribution: _Optional[float] = ..., model: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class DecideBatchRequest(_message.Message):
     __slots__ = ("requests",)
