@@ -157,7 +157,8 @@ class DecisionFlow:
             if len(raw) <= self._inline_rows:
                 return self._local_stage.encode(raw, trace, share=False)
             return await asyncio.to_thread(self._local_stage.encode, raw, trace, True, share=False)
-        keep = self.recorder is not None or self._any_in_process or self.explainer is not None
+        # Reason codes come from models in this process only, so they need the matrix only with such a model.
+        keep = self.recorder is not None or self._any_in_process
         call = self._stage_handle.encode.remote(raw, trace=trace or inject(), keep_matrix=keep)
         try:
             result: StageResult = await asyncio.wait_for(call, timeout=max(deadline - time.monotonic(), 0.0))

@@ -200,4 +200,5 @@ def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env
     assert ingress.user_config == {
         "draining": False,
         "artifacts": {"credit": str(models_dir / "credit"), "fraud": str(models_dir / "fraud")},
+        "shadows": {},  # no candidate runs beside a model until `riskserve shadow` starts one
     }
