@@ -36,6 +36,7 @@ from riskserve.platform.errors import RiskServeError
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("credit", "fraud")
 BACKEND_TIMEOUT_S = 5.0
+BACKEND_START_S = 170.0
 
 
 class GatewayServicer(pb_grpc.RiskPipelineServicer):
@@ -89,9 +90,16 @@ async def serve(pipeline: Path, backend: str, output: dict[str, str], host: str,
     servicer = GatewayServicer(Front.read(pipeline), services.GRPCInferenceServiceStub(channel), output)
     from riskserve.demo.dataset import generate_transactions
 
-    await servicer.decide(
-        [pb.DecideRequest(**generate_transactions(1, seed=1).request_fields(0, text=False))]
-    )
+    check = [pb.DecideRequest(**generate_transactions(1, seed=1).request_fields(0, text=False))]
+    deadline = time.monotonic() + BACKEND_START_S
+    while True:  # the model server starts beside us: wait until it answers
+        try:
+            await servicer.decide(check)
+            break
+        except grpc.aio.AioRpcError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_RiskPipelineServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -132,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         credit = Credit.bind(str(models / "credit" / "model.json"))  # type: ignore[attr-defined]
         fraud = Fraud.bind(str(models / "fraud" / "params.json"))  # type: ignore[attr-defined]
         app = Ingress.bind(credit, fraud, str(args.pipeline.resolve()))  # type: ignore[attr-defined]
-        serve.run(app, name="tabular_only", route_prefix=None)
+        # A route prefix even for gRPC: Serve's proxies do not route to an application without one.
+        serve.run(app, name="tabular_only", route_prefix="/tabular_only")
         print(f"serving on 127.0.0.1:{port}", flush=True)
         stop.wait()
     finally:

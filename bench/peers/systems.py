@@ -20,6 +20,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from bench._procs import descendants
+from bench._procs import sample_tree
 from bench.hotpath import Running, log, start_floor, start_riskserve
 from bench.peers.decision import decision_spec
 from bench.peers.v2 import decision_request, outputs, services
@@ -111,16 +112,27 @@ def _v2_probe(target: str, model: str) -> Probe:
     return probe
 
 
-def _stop_tree(process: subprocess.Popen[Any], grace_s: float = 20.0) -> None:
-    """SIGTERM the root, wait, then SIGKILL whatever of its tree is left, each by pid."""
-    tree = descendants(process.pid)
+def _members(pid: int) -> set[tuple[int, int]]:
+    """(pid, start time) of ``pid`` and its descendants: a pid is only ever killed while it still names
+    the process that was seen (a reused pid is left alone)."""
+    return set(sample_tree(pid).cpu_s)
+
+
+def _stop_tree(process: subprocess.Popen[Any], known: set[tuple[int, int]], grace_s: float = 20.0) -> None:
+    """SIGTERM the root, wait, then SIGKILL whatever of its tree is left, each by pid.
+
+    ``known`` holds every pid seen in the tree while it started: a child whose parent died (a model
+    server beside a gateway that exited) is no longer a descendant, and is killed all the same.
+    """
+    tree = _members(process.pid) | known
     with contextlib.suppress(ProcessLookupError):
         process.send_signal(signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=grace_s)
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    for pid, start in tree:
+        if (pid, start) in _members(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=5)
 
@@ -142,17 +154,27 @@ def launch(
         process = subprocess.Popen(
             command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
+    known: set[tuple[int, int]] = set()
     while why := probe():
+        known |= _members(process.pid) if process.poll() is None else set()
         if process.poll() is not None or time.perf_counter() - started > START_S:
-            _stop_tree(process, grace_s=2.0)
+            _stop_tree(process, known, grace_s=2.0)
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(
                 f"{name} did not answer (exit {process.returncode}; last probe: {why}); {log_path}:\n{tail}"
             )
         time.sleep(0.2)
     startup_s = time.perf_counter() - started
+    known |= _members(process.pid)
     return Running(
-        name, "tabular_only", target, process.pid, False, lambda: _stop_tree(process), startup_s, client
+        name,
+        "tabular_only",
+        target,
+        process.pid,
+        False,
+        lambda: _stop_tree(process, known),
+        startup_s,
+        client,
     )
 
 
@@ -177,6 +199,7 @@ def _gateway(
     backend_target: str,
     run_dir: Path,
     outputs: str = "credit=predict_proba,fraud=predict_proba",
+    env: dict[str, str] | None = None,
 ) -> Running:
     """``backend`` (a V2 model server serving ``credit`` and ``fraud``) behind ``bench/peers/gateway.py``."""
     port = _free_port()
@@ -194,16 +217,22 @@ def _gateway(
     script = f"{shlex.join(backend)} >{shlex.quote(str(backend_log))} 2>&1 & exec {shlex.join(gateway)}"
     target = f"127.0.0.1:{port}"
     return launch(
-        name, ["sh", "-c", script], _riskserve_probe(target), run_dir, target=target, env=_peer_env()
+        name,
+        ["sh", "-c", script],
+        _riskserve_probe(target),
+        run_dir,
+        target=target,
+        env=_peer_env() | (env or {}),
     )
 
 
-def _runtime(name: str, command: list[str], target: str, run_dir: Path, expect: Path) -> Running:
+def _runtime(
+    name: str, command: list[str], target: str, run_dir: Path, expect: Path, env: dict[str, str] | None = None
+) -> Running:
     """A V2 model server whose ``decision`` model makes the whole decision, called by loadgen over V2."""
     client = ("--protocol", "v2", "--model", "decision", "--expect", str(expect))
-    return launch(
-        name, command, _v2_probe(target, "decision"), run_dir, target=target, client=client, env=_peer_env()
-    )
+    probe = _v2_probe(target, "decision")
+    return launch(name, command, probe, run_dir, target=target, client=client, env=_peer_env() | (env or {}))
 
 
 # -- MLServer ------------------------------------------------------------------------------------------
@@ -308,9 +337,13 @@ def start_triton(which: str, models: Path, run_dir: Path, spec: Path, expect: Pa
     command += ["--which", which, "--models", str(models), "--spec", str(spec), "--grpc-port", str(port)]
     command += ["--http-port", str(_free_port()), "--metrics-port", str(_free_port())]
     target = f"127.0.0.1:{port}"
+    # PyTriton's Python backend stub for 3.11 links libpython3.11.so.1.0; without this it finds the
+    # system's (Debian's 3.11.2) beside our interpreter's 3.11.7 standard library, and fails to start
+    # ("'_thread.RLock' object has no attribute '_recursion_count'").
+    env = {"LD_LIBRARY_PATH": str(sysconfig.get_config_var("LIBDIR"))}
     if which == "gateway":
-        return _gateway("triton_gateway", command, target, run_dir)
-    return _runtime("triton_runtime", command, target, run_dir, expect)
+        return _gateway("triton_gateway", command, target, run_dir, env=env)
+    return _runtime("triton_runtime", command, target, run_dir, expect, env=env)
 
 
 def start(name: str, models: Path, run_dir: Path, spec: Path, expect: Path) -> Running:

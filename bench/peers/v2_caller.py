@@ -29,10 +29,12 @@ class V2Caller(Caller):
         self.model = model
         self.channels = [grpc.aio.insecure_channel(target) for _ in range(channels)]
         self.v2 = [services.GRPCInferenceServiceStub(c) for c in self.channels]
-        self.built: dict[int, Any] = {}
+        self.built: dict[tuple[str, int], Any] = {}
 
-    def _request(self, key: int, requests: Sequence[pb.DecideRequest]) -> Any:
-        """The V2 message of ``requests``, built on first use (``key``: the id of the caller's message)."""
+    def _request(self, requests: Sequence[pb.DecideRequest]) -> Any:
+        """The V2 message of ``requests``, built on first use (keyed by the first request id and the count:
+        the load generator's rows and batches are fixed, while its message objects may be rebuilt)."""
+        key = (requests[0].request_id, len(requests))
         if key not in self.built:
             numeric = {k: [r.numeric[k] for r in requests] for k in requests[0].numeric}
             categorical = {k: [r.categorical[k] for r in requests] for k in requests[0].categorical}
@@ -40,11 +42,11 @@ class V2Caller(Caller):
         return self.built[key]
 
     async def _call(
-        self, lane: int, key: int, requests: Sequence[pb.DecideRequest], tally: Tally, since: float
+        self, lane: int, requests: Sequence[pb.DecideRequest], tally: Tally, since: float
     ) -> None:
         stub = self.v2[lane % len(self.v2)]
         try:
-            response = await stub.ModelInfer(self._request(key, requests), timeout=TIMEOUT_S)
+            response = await stub.ModelInfer(self._request(requests), timeout=TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
             tally.failed(time.perf_counter() - since, error.code().name, error.details() or "")
             return
@@ -56,11 +58,11 @@ class V2Caller(Caller):
 
     async def decide(self, lane: int, request: pb.DecideRequest, tally: Tally, since: float) -> None:
         """One decision as one ``ModelInfer`` of one row."""
-        await self._call(lane, id(request), [request], tally, since)
+        await self._call(lane, [request], tally, since)
 
     async def decide_batch(self, request: pb.DecideBatchRequest, tally: Tally) -> None:
         """A batch as one ``ModelInfer`` of ``len(request.requests)`` rows."""
-        await self._call(0, id(request), request.requests, tally, time.perf_counter())
+        await self._call(0, request.requests, tally, time.perf_counter())
 
 
 def _answers(requests: Sequence[pb.DecideRequest], out: dict[str, Any]) -> list[pb.DecideResponse]:
