@@ -218,9 +218,9 @@ def _c1(result: dict[str, Any], quantile: str) -> float:
     return float(result["c1"]["latency_ms"][quantile]) if "c1" in result else float("nan")
 
 
-def ratios(results: dict[str, Any], table: dict[str, str]) -> dict[str, dict[str, float]]:
+def ratios(results: dict[str, Any], table: dict[str, str]) -> dict[str, dict[str, float | None]]:
     """riskserve's figures over each other row's (rate and throughput: higher is better for riskserve;
-    latency and CPU: lower is)."""
+    latency and CPU: lower is). ``max_rate`` is None when the peer held none of the offered rates."""
     ours = results.get(table.get("riskserve", ""))
     if not valid(ours):
         return {}
@@ -231,7 +231,9 @@ def ratios(results: dict[str, Any], table: dict[str, str]) -> dict[str, dict[str
         if row == "riskserve" or not valid(peer):
             continue
         out[row] = {
-            "max_rate": ours["max_rate_p99_50ms"] / max(peer["max_rate_p99_50ms"], 1e-9),
+            "max_rate": ours["max_rate_p99_50ms"] / peer["max_rate_p99_50ms"]
+            if peer["max_rate_p99_50ms"]
+            else None,
             "throughput_c8": ours["c8"]["decisions_per_s"] / peer["c8"]["decisions_per_s"],
             "p50_c1": _c1(ours, "p50") / _c1(peer, "p50"),
             "cpu_per_decision": ours["c8"]["server"]["cpu_ms_per_decision"]
@@ -242,7 +244,9 @@ def ratios(results: dict[str, Any], table: dict[str, str]) -> dict[str, dict[str
     return out
 
 
-def print_report(results: dict[str, Any], table: dict[str, str], ratio: dict[str, dict[str, float]]) -> None:
+def print_report(
+    results: dict[str, Any], table: dict[str, str], ratio: dict[str, dict[str, float | None]]
+) -> None:
     """Every system measured, then riskserve over each row."""
     print(
         f"\n{'system':<17} | {'c=1 p50':>7} {'p99':>6} | {'c=8 /s':>6} | {'max/s':>5} | {'CPU-ms/dec':>10} | "
@@ -277,9 +281,26 @@ def print_report(results: dict[str, Any], table: dict[str, str], ratio: dict[str
         )
         for row, q in ratio.items():
             print(
-                f"{row:<10} | {q['max_rate']:>7.2f}x {q['throughput_c8']:>6.2f}x | {q['p50_c1']:>6.2f}x "
+                f"{row:<10} | {_times(q['max_rate']):>8} {q['throughput_c8']:>6.2f}x | {q['p50_c1']:>6.2f}x "
                 f"{q['cpu_per_decision']:>6.2f}x {q['rss']:>5.2f}x {q['cold_start']:>5.2f}x"
             )
+
+
+def _times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def report(path: Path) -> int:
+    """Recompute the rows, ratios, report and plots of a written ``peers.json`` (no measuring)."""
+    document = json.loads(path.read_text())
+    results = document["systems"]
+    document["rows"] = rows(results)
+    document["riskserve_over_row"] = ratios(results, document["rows"])
+    print_report(results, document["rows"], document["riskserve_over_row"])
+    write_results(path.parent, path.stem, document)
+    pngs = plot(path.parent, results)
+    print(f"\nresults: {path}\nplots:   {' '.join(map(str, pngs))}")
+    return 0
 
 
 def plot(out_dir: Path, results: dict[str, Any]) -> list[Path]:
@@ -346,6 +367,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--quick", action="store_true", help="tiny counts: a smoke run, not a measurement")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    parser.add_argument(
+        "--report", type=Path, help="only recompute rows, ratios and plots of this peers.json"
+    )
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(args.systems) - set(SYSTEMS))
@@ -356,6 +380,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        return report(args.report)
     models = args.models.resolve()
     plan, sweep = (QUICK, QUICK_SWEEP) if args.quick else (FULL, FULL_SWEEP)
     args.out.mkdir(parents=True, exist_ok=True)
