@@ -68,7 +68,11 @@ FULL = Plan(
     open_seconds=5.0,
     vllm_prompts=0,
 )
-FULL_SWEEP = Sweep(batches=(64, 1000), rates=(100, 200, 400, 700, 1000, 1400, 2000), settle_s=45.0)
+FULL_SWEEP = Sweep(
+    batches=(64, 1000),
+    rates=(25, 50, 100, 200, 300, 400, 500, 600, 700, 850, 1000, 1200, 1400, 2000),
+    settle_s=45.0,
+)
 QUICK = dataclasses.replace(
     FULL,
     warmup=0,
