@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 MODELS ?= models
 STAMP := $(VENV)/.riskserve-installed
 
-.PHONY: setup models demo test lint typecheck unit bench clean
+.PHONY: setup models demo test lint typecheck unit bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,11 @@ bench: models
 	$(BIN)/python bench/hotpath.py --models $(MODELS)
 	$(BIN)/python bench/reasons.py --models $(MODELS)
 	$(BIN)/python bench/shadow.py --models $(MODELS)
+
+# riskserve side by side with MLServer, KServe, Triton (PyTriton) and plain Ray Serve, in one run
+# (BENCHMARKS.md). Each peer installs on first use into its own venv under ~/.cache/riskserve/peers.
+bench-peers: models
+	PYTHONPATH=$(CURDIR) $(BIN)/python bench/peers/run.py --models $(MODELS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

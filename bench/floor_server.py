@@ -58,61 +58,46 @@ _OUTCOMES = (
 
 
 @dataclass
-class Floor:
-    """The loaded pipeline: the encoder, the two tabular models, the pipeline's name and version."""
+class Front:
+    """What any server of the pipeline does around its models: validate and encode requests, then turn the
+    two scores into ``DecideResponse`` messages with the hand-written rules (shared with the peers' gateway
+    in ``bench/peers/gateway.py``)."""
 
     name: str
     version: str
     encoder: FeatureEncoder
-    credit: TreeliteModel
-    fraud: LinearSnapshot
 
     @classmethod
-    async def load(cls, pipeline: Path, models: Path) -> Floor:
-        """Read the pipeline's features and load ``models/credit`` and ``models/fraud`` (refused if their
-        columns are not the encoder's)."""
+    def read(cls, pipeline: Path) -> Front:
+        """The pipeline's name, version and feature encoder."""
         spec = load_pipeline(pipeline)
-        encoder = FeatureEncoder(spec.features)
-        credit = TreeliteModel(TreeliteSettings(name="credit", artifact=models / "credit"))
-        await credit.load()
-        fraud_artifact, fraud = load_sklearn_artifact(models / "fraud")
-        for name, columns in (
-            ("credit", credit.input_names()),
-            ("fraud", fraud_artifact.manifest.feature_names),
-        ):
-            if list(columns) != encoder.columns:
-                raise ModelLoadError(f"model '{name}' reads {columns}, the features give {encoder.columns}")
-        return cls(spec.name, spec.version, encoder, credit, fraud)
+        return cls(spec.name, spec.version, FeatureEncoder(spec.features))
 
-    def decide(self, requests: Sequence[pb.DecideRequest]) -> list[pb.DecideResponse]:
-        """Validate every request (the first bad one raises ``InvalidInput``), score all at once, decide."""
+    def encode(self, requests: Sequence[pb.DecideRequest]) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """Validate every request (the first bad one raises ``InvalidInput``); encode them as one matrix."""
         rows = [
             self.encoder.validate(
                 RawRequest(numeric=dict(r.numeric), categorical=dict(r.categorical), text=r.text)
             )
             for r in requests
         ]
-        matrix = self.encoder.encode(rows).matrix
-        started = time.perf_counter()
-        credit = self.credit.predict_sync(matrix)
-        credit_ms = (time.perf_counter() - started) * 1e3
-        started = time.perf_counter()
-        fraud = self.fraud.score_floor(matrix)
-        fraud_ms = (time.perf_counter() - started) * 1e3
-        risk = 0.5 * fraud + 0.5 * credit
-        return [
-            self._response(request, float(risk[i]), float(credit[i]), float(fraud[i]), credit_ms, fraud_ms)
-            for i, request in enumerate(requests)
-        ]
+        return self.encoder.encode(rows).matrix
+
+    def respond(
+        self,
+        requests: Sequence[pb.DecideRequest],
+        scores: dict[str, tuple[str, np.ndarray[Any, Any], float]],
+    ) -> list[pb.DecideResponse]:
+        """Responses from ``scores``: model name -> (version, one score per request, milliseconds)."""
+        risk = 0.5 * scores["fraud"][1] + 0.5 * scores["credit"][1]
+        return [self._response(request, float(risk[i]), scores, i) for i, request in enumerate(requests)]
 
     def _response(
         self,
         request: pb.DecideRequest,
         risk: float,
-        credit: float,
-        fraud: float,
-        credit_ms: float,
-        fraud_ms: float,
+        scores: dict[str, tuple[str, np.ndarray[Any, Any], float]],
+        row: int,
     ) -> pb.DecideResponse:
         """The hand-written rules: the first threshold the risk reaches decides, else APPROVE."""
         decision, reason = pb.APPROVE, "low risk"
@@ -125,15 +110,55 @@ class Floor:
             decision=decision,
             risk_score=risk,
             models=[
-                pb.ModelScore(
-                    model="credit", version=self.credit.version, score=credit, latency_ms=credit_ms
-                ),
-                pb.ModelScore(model="fraud", version=self.fraud.version, score=fraud, latency_ms=fraud_ms),
+                pb.ModelScore(model=name, version=version, score=float(values[row]), latency_ms=ms)
+                for name, (version, values, ms) in scores.items()
             ],
             reasons=[reason],
             pipeline=self.name,
             pipeline_version=self.version,
         )
+
+
+@dataclass
+class Floor:
+    """The loaded pipeline: its front (encoder and rules) and the two tabular models."""
+
+    front: Front
+    credit: TreeliteModel
+    fraud: LinearSnapshot
+
+    @classmethod
+    async def load(cls, pipeline: Path, models: Path) -> Floor:
+        """Read the pipeline's features and load ``models/credit`` and ``models/fraud`` (refused if their
+        columns are not the encoder's)."""
+        front = Front.read(pipeline)
+        credit = TreeliteModel(TreeliteSettings(name="credit", artifact=models / "credit"))
+        await credit.load()
+        fraud_artifact, fraud = load_sklearn_artifact(models / "fraud")
+        for name, columns in (
+            ("credit", credit.input_names()),
+            ("fraud", fraud_artifact.manifest.feature_names),
+        ):
+            if list(columns) != front.encoder.columns:
+                raise ModelLoadError(
+                    f"model '{name}' reads {columns}, the features give {front.encoder.columns}"
+                )
+        return cls(front, credit, fraud)
+
+    def decide(self, requests: Sequence[pb.DecideRequest]) -> list[pb.DecideResponse]:
+        """Validate every request (the first bad one raises ``InvalidInput``), score all at once, decide."""
+        matrix = self.front.encode(requests)
+        started = time.perf_counter()
+        credit = self.credit.predict_sync(matrix)
+        credit_ms = (time.perf_counter() - started) * 1e3
+        started = time.perf_counter()
+        fraud = self.fraud.score_floor(matrix)
+        fraud_ms = (time.perf_counter() - started) * 1e3
+        scores = {
+            "credit": (self.credit.version, credit, credit_ms),
+            "fraud": (self.fraud.version, fraud, fraud_ms),
+        }
+        return self.front.respond(requests, scores)
 
 
 class FloorServicer(pb_grpc.RiskPipelineServicer):

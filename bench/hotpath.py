@@ -122,6 +122,8 @@ class Running:
     text: bool
     stop: Callable[[], None]
     startup_s: float
+    client: tuple[str, ...] = ()
+    """Extra ``bench/loadgen.py`` arguments for this system (another protocol, reference answers)."""
 
 
 def log(message: str) -> None:
@@ -293,6 +295,7 @@ def loadgen(
         "--mode",
         mode,
         *options,
+        *system.client,
     ]
     if system.text:
         command.append("--text")

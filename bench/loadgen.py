@@ -17,6 +17,12 @@ that window), then one JSON line with the result: latency p50/p90/p99/mean/max i
 errors by gRPC status code, fallbacks (``DecideResponse.models[i].fallback``) by model, decisions by outcome,
 and the client's own CPU seconds.
 
+``--expect FILE`` (JSON: request_id -> [credit, fraud, risk_score, decision]) checks every answer against
+reference scores: an answer whose scores differ by more than ``TOLERANCE`` or whose decision differs is
+counted as ``wrong`` (a system that answers wrong does not count). ``--protocol v2`` sends the same requests
+as Open Inference Protocol (KServe V2) ``ModelInfer`` calls to ``--model`` (``bench/peers/v2.py``), for a
+peer whose own runtime makes the whole decision.
+
 Run: ``.venv/bin/python bench/loadgen.py --target 127.0.0.1:PORT --pipeline tabular_only --mode closed -c 8``.
 """
 
@@ -43,6 +49,8 @@ from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 
 TIMEOUT_S = 5.0
+TOLERANCE = 1e-4
+"""Largest difference from a reference score that still counts as right (float32 features, compiled trees)."""
 DEFAULT_CHANNELS = 1
 """Channels the tasks share (task i uses channel i % K). One channel served the floor best on 2 cores
 (see hotpath's --channels); the same is used for every system."""
@@ -67,13 +75,22 @@ class Tally:
     """Open loop: seconds each send left after its intended time (timer granularity, a busy client)."""
     late_sends: int = 0
     """Open loop: sends that left more than a millisecond after their intended time."""
+    wrong: int = 0
+    """Decisions whose scores or outcome differ from the reference (only with ``--expect``)."""
+    wrong_example: str = ""
 
-    def answered(self, latency: float, responses: Sequence[pb.DecideResponse]) -> None:
-        """Count one successful call and what its decisions say."""
+    def answered(
+        self, latency: float, responses: Sequence[pb.DecideResponse], expect: Expected | None = None
+    ) -> None:
+        """Count one successful call and what its decisions say (and how many are wrong, given ``expect``)."""
         self.latencies.append(latency)
         self.ok += 1
         self.decisions += len(responses)
         for response in responses:
+            problem = _wrong(response, expect) if expect is not None else ""
+            if problem:
+                self.wrong += 1
+                self.wrong_example = self.wrong_example or problem
             self.outcomes[pb.Decision.Name(response.decision)] += 1
             for model in response.models:
                 if model.fallback:
@@ -84,6 +101,32 @@ class Tally:
         self.latencies.append(latency)
         self.errors[code] += 1
         self.error_details.setdefault(code, details)
+
+
+Expected = dict[str, tuple[float, float, float, str]]
+"""request_id -> (credit, fraud, risk_score, decision name): the reference answer."""
+
+
+def _wrong(response: pb.DecideResponse, expect: Expected) -> str:
+    """What is wrong with ``response`` against its reference ('' when it is right)."""
+    reference = expect.get(response.request_id)
+    if reference is None:
+        return f"{response.request_id!r}: no reference answer for this request id"
+    credit, fraud, risk, decision = reference
+    scores = {m.model: m.score for m in response.models}
+    got = (scores.get("credit", float("nan")), scores.get("fraud", float("nan")), response.risk_score)
+    for name, value, want in zip(("credit", "fraud", "risk_score"), got, (credit, fraud, risk), strict=True):
+        if not abs(value - want) <= TOLERANCE:
+            return f"{response.request_id}: {name} {value!r}, reference {want!r}"
+    near = min(abs(risk - 0.6), abs(risk - 0.3)) <= TOLERANCE
+    if pb.Decision.Name(response.decision) != decision and not near:
+        return f"{response.request_id}: {pb.Decision.Name(response.decision)}, reference {decision}"
+    return ""
+
+
+def read_expected(path: Path) -> Expected:
+    """Reference answers written by the harness (``--expect``)."""
+    return {k: (v[0], v[1], v[2], v[3]) for k, v in json.loads(path.read_text()).items()}
 
 
 def make_requests(count: int, seed: int, text: bool) -> list[pb.DecideRequest]:
@@ -105,7 +148,8 @@ def make_requests(count: int, seed: int, text: bool) -> list[pb.DecideRequest]:
 class Caller:
     """Stubs over ``channels`` channels and the one way every call is made and counted."""
 
-    def __init__(self, target: str, pipeline: str, channels: int) -> None:
+    def __init__(self, target: str, pipeline: str, channels: int, expect: Expected | None = None) -> None:
+        self.expect = expect
         self.channels = [grpc.aio.insecure_channel(target) for _ in range(channels)]
         self.stubs = [pb_grpc.RiskPipelineStub(c) for c in self.channels]  # type: ignore[no-untyped-call]
         self.metadata = (("application", pipeline), ("riskserve-timeout-ms", f"{TIMEOUT_S * 1e3:.0f}"))
@@ -118,7 +162,7 @@ class Caller:
         except grpc.aio.AioRpcError as error:
             tally.failed(time.perf_counter() - since, error.code().name, error.details() or "")
             return
-        tally.answered(time.perf_counter() - since, [response])
+        tally.answered(time.perf_counter() - since, [response], self.expect)
 
     async def decide_batch(self, request: pb.DecideBatchRequest, tally: Tally) -> None:
         """One ``DecideBatch``; a short answer counts as an error (``SHORT_ANSWER``)."""
@@ -131,7 +175,7 @@ class Caller:
         if len(response.responses) != len(request.requests):
             tally.failed(time.perf_counter() - since, "SHORT_ANSWER", f"{len(response.responses)} answers")
             return
-        tally.answered(time.perf_counter() - since, response.responses)
+        tally.answered(time.perf_counter() - since, response.responses, self.expect)
 
     async def close(self) -> None:
         """Close every channel."""
@@ -211,15 +255,16 @@ async def batch_loop(
 
 
 def latency_ms(samples: Sequence[float]) -> dict[str, float]:
-    """p50 / p90 / p99 / mean / max of ``samples`` (seconds) in milliseconds (zeros when empty)."""
+    """p50 / p90 / p99 / p99.9 / mean / max of ``samples`` (seconds) in milliseconds (zeros when empty)."""
     if not samples:
-        return dict.fromkeys(("p50", "p90", "p99", "mean", "max"), 0.0)
+        return dict.fromkeys(("p50", "p90", "p99", "p999", "mean", "max"), 0.0)
     ordered = np.sort(np.asarray(samples) * 1e3)
-    p50, p90, p99 = np.percentile(ordered, [50, 90, 99])
+    p50, p90, p99, p999 = np.percentile(ordered, [50, 90, 99, 99.9])
     return {
         "p50": float(p50),
         "p90": float(p90),
         "p99": float(p99),
+        "p999": float(p999),
         "mean": statistics.fmean(ordered),
         "max": float(ordered[-1]),
     }
@@ -246,6 +291,8 @@ def report(args: argparse.Namespace, tally: Tally, elapsed: float, client_cpu_s:
         "fallbacks": dict(tally.fallbacks),
         "fallback_count": sum(tally.fallbacks.values()),
         "outcomes": dict(tally.outcomes),
+        "wrong": tally.wrong,
+        "wrong_example": tally.wrong_example,
         "client_cpu_s": client_cpu_s,
     }
     if args.mode == "open":
@@ -268,7 +315,14 @@ def _emit(document: dict[str, Any]) -> None:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Warm up, announce the window, measure it, announce its end; return the result."""
     requests = make_requests(max(_POOL, args.batch * 2), args.seed, args.text)
-    caller = Caller(args.target, args.pipeline, args.channels)
+    expect = read_expected(args.expect) if args.expect else None
+    caller: Caller
+    if args.protocol == "v2":
+        from bench.peers.v2_caller import V2Caller
+
+        caller = V2Caller(args.target, args.model, args.channels, expect)
+    else:
+        caller = Caller(args.target, args.pipeline, args.channels, expect)
     try:
         if args.mode == "batch":
             await batch_loop(caller, requests, args.batch, args.warmup, 60.0)
@@ -309,6 +363,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=50, help="untimed calls first")
     parser.add_argument("--text", action="store_true", help="send each row's message (pipelines with an LLM)")
     parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--expect", type=Path, help="reference answers to check every answer against")
+    parser.add_argument("--protocol", choices=("riskserve", "v2"), default="riskserve")
+    parser.add_argument("--model", default="decision", help="v2: the model making the whole decision")
     return parser.parse_args(argv)
 
 

@@ -1,0 +1,427 @@
+"""riskserve side by side with the servers a team would pick instead, in one run (``make bench-peers``).
+
+Systems (``--systems``, in this order; see :mod:`bench.peers.systems`): the hand-written floor,
+riskserve (``riskserve up tabular_only``), plain Ray Serve, and MLServer, KServe and Triton (PyTriton)
+each two ways: ``*_gateway`` (the two models served separately, called by ``bench/peers/gateway.py``)
+and ``*_runtime`` (one custom runtime making the whole decision, called over V2 gRPC directly). A peer's
+row is the faster of its two ways.
+
+Each system is started, measured and stopped by pid before the next starts; the client is
+``bench/loadgen.py`` in its own process, the one ``make bench`` uses, and every answer is checked against
+reference answers (the floor's models and rules on the same requests, written by this harness): a system
+that answers wrong is reported and left out of the ratios. Phases, from ``bench/hotpath.py``: closed loop
+at concurrency 1 and 8 (CPU-seconds per decision of the whole process tree from ``/proc``, resident
+memory), batches of 64 and 1,000 rows (``DecideBatch``, or one V2 call of that many rows), then an
+open-loop sweep at rising offered rates (latency from the intended send time) that stops after the first
+rate whose p99 passes 50 ms or that errs: the highest rate held is the last one with p99 <= 50 ms.
+
+Run: ``PYTHONPATH=. .venv/bin/python bench/peers/run.py --models models`` (``make bench-peers``);
+``--quick --systems floor,riskserve`` for a smoke run. Writes ``OUT/peers.json``, ``OUT/peers_load.png``
+and ``OUT/peers_cpu.png`` (``OUT`` = ``bench/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench._common import write_results
+from bench.hotpath import Plan, Running, batch, closed, loadgen, log, open_loop, settle
+
+ROOT = Path(__file__).resolve().parents[2]
+P99_LIMIT_MS = 50.0
+SEED = 2026
+POOL = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """Phases beyond hotpath's plan: batch sizes and the open-loop rates, low to high."""
+
+    batches: tuple[int, ...]
+    rates: tuple[float, ...]
+    settle_s: float
+
+
+FULL = Plan(
+    warmup=300,
+    c1_calls=2000,
+    c8_calls=20000,
+    closed_seconds=6.0,
+    batch_rows=1000,
+    batch_calls=20,
+    batch_seconds=8.0,
+    tabular_rates=(),
+    llm_rates=(),
+    open_seconds=5.0,
+    vllm_prompts=0,
+)
+FULL_SWEEP = Sweep(
+    batches=(64, 1000),
+    rates=(25, 50, 100, 200, 300, 400, 500, 600, 700, 850, 1000, 1200, 1400, 2000),
+    settle_s=45.0,
+)
+QUICK = dataclasses.replace(
+    FULL,
+    warmup=0,
+    c1_calls=0,
+    c8_calls=100,
+    closed_seconds=1.0,
+    batch_calls=2,
+    batch_seconds=2.0,
+    open_seconds=1.0,
+)
+QUICK_SWEEP = Sweep(batches=(64,), rates=(50,), settle_s=0.0)
+
+
+def reference_answers(models: Path, path: Path) -> Path:
+    """The floor's answers to the load generator's request pool, as ``--expect`` reads them."""
+    import asyncio
+
+    from bench.floor_server import Floor
+    from bench.loadgen import make_requests
+    from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+
+    floor = asyncio.run(Floor.load(ROOT / "deploy" / "pipelines" / "tabular_only.yaml", models))
+    answers = {}
+    for response in floor.decide(make_requests(POOL, SEED, text=False)):
+        scores = {m.model: m.score for m in response.models}
+        decision = pb.Decision.Name(response.decision)
+        answers[response.request_id] = [scores["credit"], scores["fraud"], response.risk_score, decision]
+    path.write_text(json.dumps(answers))
+    return path
+
+
+def _brief(result: dict[str, Any]) -> str:
+    latency = result["latency_ms"]
+    text = f"p50 {latency['p50']:.2f} ms, p99 {latency['p99']:.2f} ms"
+    text += f", {result['decisions_per_s']:.0f} decisions/s"
+    if result["error_count"] or result["wrong"]:
+        text += f", errors {result['errors']}, wrong {result['wrong']} ({result['wrong_example']})"
+    return text
+
+
+def measure(system: Running, plan: Plan, sweep: Sweep) -> dict[str, Any]:
+    """Every phase against one started system."""
+    waited = settle(system, patience_s=sweep.settle_s)
+    out: dict[str, Any] = {"startup_s": system.startup_s, "target": system.target}
+    if plan.warmup:  # a quick run skips the warm-up and c=1 phases (each loadgen start costs seconds)
+        log(f"{system.name}: idle after {waited:.0f} s; warm-up ({plan.warmup} calls at c=8)")
+        options = ["-c8", f"--calls={plan.warmup}", "--seconds=60", "--warmup=0"]
+        loadgen(system, "closed", options, bound_s=130.0)
+    if plan.c1_calls:
+        out["c1"] = closed(system, 1, plan.c1_calls, plan, 1)
+        log(f"{system.name}: c=1 {_brief(out['c1'])}")
+    out["c8"] = closed(system, 8, plan.c8_calls, plan, 1)
+    server = out["c8"]["server"]
+    log(
+        f"{system.name}: c=8 {_brief(out['c8'])}; {server['cpu_ms_per_decision']:.3f} CPU-ms/decision, "
+        f"{server['cores_busy']:.2f} cores, {server['rss_mb']:.0f} MB"
+    )
+    out["batches"] = {}
+    for rows in sweep.batches:
+        out["batches"][str(rows)] = batch(system, dataclasses.replace(plan, batch_rows=rows))
+        log(f"{system.name}: batch of {rows} {_brief(out['batches'][str(rows)])}")
+    out["open"] = []
+    for rate in sweep.rates:
+        point = open_loop(system, rate, plan, 1)
+        out["open"].append(point)
+        log(f"{system.name}: open loop {rate:g}/s {_brief(point)}")
+        if point["latency_ms"]["p99"] > P99_LIMIT_MS or point["error_count"] or point["wrong"]:
+            break
+    return out | summarize(out)
+
+
+def summarize(out: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures of one system's phases."""
+    phases = [*([out["c1"]] if "c1" in out else []), out["c8"], *out["batches"].values(), *out["open"]]
+    held = [
+        p["offered_rate"]
+        for p in out["open"]
+        if p["latency_ms"]["p99"] <= P99_LIMIT_MS and not p["error_count"] and not p["wrong"]
+    ]
+    return {
+        "max_rate_p99_50ms": max(held, default=0.0),
+        "wrong": sum(p["wrong"] for p in phases),
+        "errors": sum(p["error_count"] for p in phases),
+        "decisions_checked": sum(p["decisions"] for p in phases),
+    }
+
+
+def run_systems(
+    names: Sequence[str], models: Path, plan: Plan, sweep: Sweep, run_dir: Path
+) -> dict[str, Any]:
+    """Measure each system in turn; one that fails is recorded with its error and the run goes on."""
+    from bench.peers.systems import start, write_spec
+
+    spec = write_spec(run_dir)
+    expect = reference_answers(models, run_dir / "expect.json")
+    results: dict[str, Any] = {}
+    for index, name in enumerate(names, 1):
+        started = time.perf_counter()
+        log(f"[{index}/{len(names)}] {name}: starting")
+        try:
+            system = start(name, models, run_dir, spec, expect)
+            if "--expect" not in system.client:
+                system = dataclasses.replace(system, client=(*system.client, "--expect", str(expect)))
+            log(f"{name}: first answer {system.startup_s:.1f} s after start, on {system.target}")
+            try:
+                results[name] = measure(system, plan, sweep)
+            finally:
+                log(f"{name}: stopping")
+                system.stop()
+        except (RuntimeError, subprocess.SubprocessError, OSError, KeyError) as error:
+            log(f"{name}: FAILED: {error}")
+            results[name] = {"error": str(error)}
+        log(f"{name}: done in {time.perf_counter() - started:.0f} s")
+    return results
+
+
+def valid(result: dict[str, Any] | None) -> bool:
+    """Measured, and every answer right."""
+    return result is not None and "error" not in result and result.get("wrong") == 0
+
+
+def rows(results: dict[str, Any]) -> dict[str, str]:
+    """Row name -> the system measured for it: a peer's faster way (highest rate held, then c=8 rate)."""
+    out: dict[str, str] = {}
+    for name, result in results.items():
+        row = name.rsplit("_", 1)[0] if name.endswith(("_gateway", "_runtime")) else name
+        if not valid(result):
+            out.setdefault(row, name)
+            continue
+        best = out.get(row)
+        key = (result["max_rate_p99_50ms"], result["c8"]["decisions_per_s"])
+        if (
+            best is None
+            or not valid(results[best])
+            or key
+            > (
+                results[best]["max_rate_p99_50ms"],
+                results[best]["c8"]["decisions_per_s"],
+            )
+        ):
+            out[row] = name
+    return out
+
+
+def _c1(result: dict[str, Any], quantile: str) -> float:
+    """A latency quantile at concurrency 1 (NaN when the run skipped that phase)."""
+    return float(result["c1"]["latency_ms"][quantile]) if "c1" in result else float("nan")
+
+
+def ratios(results: dict[str, Any], table: dict[str, str]) -> dict[str, dict[str, float | None]]:
+    """riskserve's figures over each other row's (rate and throughput: higher is better for riskserve;
+    latency and CPU: lower is). ``max_rate`` is None when the peer held none of the offered rates."""
+    ours = results.get(table.get("riskserve", ""))
+    if not valid(ours):
+        return {}
+    assert ours is not None
+    out = {}
+    for row, name in table.items():
+        peer = results[name]
+        if row == "riskserve" or not valid(peer):
+            continue
+        out[row] = {
+            "max_rate": ours["max_rate_p99_50ms"] / peer["max_rate_p99_50ms"]
+            if peer["max_rate_p99_50ms"]
+            else None,
+            "throughput_c8": ours["c8"]["decisions_per_s"] / peer["c8"]["decisions_per_s"],
+            "p50_c1": _c1(ours, "p50") / _c1(peer, "p50"),
+            "cpu_per_decision": ours["c8"]["server"]["cpu_ms_per_decision"]
+            / peer["c8"]["server"]["cpu_ms_per_decision"],
+            "rss": ours["c8"]["server"]["rss_mb"] / peer["c8"]["server"]["rss_mb"],
+            "cold_start": ours["startup_s"] / peer["startup_s"],
+        }
+    return out
+
+
+def print_report(
+    results: dict[str, Any], table: dict[str, str], ratio: dict[str, dict[str, float | None]]
+) -> None:
+    """Every system measured, then riskserve over each row."""
+    print(
+        f"\n{'system':<17} | {'c=1 p50':>7} {'p99':>6} | {'c=8 /s':>6} | {'max/s':>5} | {'CPU-ms/dec':>10} | "
+        f"{'RSS MB':>6} | {'cold s':>6} | {'b64 ms':>7} {'b1000 ms':>8} | wrong/checked"
+    )
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<17} | failed: {r['error'].splitlines()[0][:100]}")
+            continue
+        b = r["batches"]
+        print(
+            f"{name:<17} | {_c1(r, 'p50'):>7.2f} {_c1(r, 'p99'):>6.2f} | "
+            f"{r['c8']['decisions_per_s']:>6.0f} | {r['max_rate_p99_50ms']:>5.0f} | "
+            f"{r['c8']['server']['cpu_ms_per_decision']:>10.3f} | {r['c8']['server']['rss_mb']:>6.0f} | "
+            f"{r['startup_s']:>6.1f} | {b.get('64', {}).get('latency_ms', {}).get('p50', 0):>7.2f} "
+            f"{b.get('1000', {}).get('latency_ms', {}).get('p50', 0):>8.2f} | "
+            f"{r['wrong']}/{r['decisions_checked']}"
+        )
+    print("\nopen loop (offered/s: p50 / p99 / p99.9 ms)")
+    for name, r in results.items():
+        points = "  ".join(
+            f"{p['offered_rate']:g}: {p['latency_ms']['p50']:.1f}/{p['latency_ms']['p99']:.1f}/"
+            f"{p['latency_ms']['p999']:.1f}"
+            for p in r.get("open", [])
+        )
+        print(f"  {name:<17} {points}")
+    if ratio:
+        print(f"\nriskserve / row ({', '.join(f'{k}: {v}' for k, v in table.items())})")
+        print(
+            f"{'row':<10} | {'max rate':>8} {'c=8 /s':>7} | "
+            f"{'p50 c=1':>7} {'CPU/dec':>7} {'RSS':>6} {'cold':>6}"
+        )
+        for row, q in ratio.items():
+            print(
+                f"{row:<10} | {_times(q['max_rate']):>8} {q['throughput_c8']:>6.2f}x | {q['p50_c1']:>6.2f}x "
+                f"{q['cpu_per_decision']:>6.2f}x {q['rss']:>5.2f}x {q['cold_start']:>5.2f}x"
+            )
+
+
+def _times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def report(path: Path) -> int:
+    """Recompute the rows, ratios, report and plots of a written ``peers.json`` (no measuring)."""
+    document = json.loads(path.read_text())
+    results = document["systems"]
+    document["rows"] = rows(results)
+    document["riskserve_over_row"] = ratios(results, document["rows"])
+    print_report(results, document["rows"], document["riskserve_over_row"])
+    write_results(path.parent, path.stem, document)
+    pngs = plot(path.parent, results)
+    print(f"\nresults: {path}\nplots:   {' '.join(map(str, pngs))}")
+    return 0
+
+
+def plot(out_dir: Path, results: dict[str, Any]) -> list[Path]:
+    """Latency against offered load (p50 solid, p99 dashed, one colour a system) and CPU per decision."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, r in results.items() if "error" not in r]
+    figure, axis = plt.subplots(figsize=(10, 6))
+    for name in names:
+        points = results[name]["open"]
+        rates = [p["offered_rate"] for p in points]
+        line = axis.plot(rates, [p["latency_ms"]["p50"] for p in points], marker="o", label=f"{name} p50")
+        axis.plot(rates, [p["latency_ms"]["p99"] for p in points], ls="--", color=line[0].get_color())
+    axis.axhline(P99_LIMIT_MS, color="grey", lw=0.8)
+    axis.set(xscale="log", yscale="log", xlabel="offered load (decisions/s)", ylabel="latency (ms)")
+    axis.set_title("tabular decision, open loop: p50 (solid) and p99 (dashed); grey: 50 ms")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    load_png = out_dir / "peers_load.png"
+    figure.savefig(load_png, dpi=110)
+    plt.close(figure)
+
+    figure, axis = plt.subplots(figsize=(10, 4.5))
+    values = [results[n]["c8"]["server"]["cpu_ms_per_decision"] for n in names]
+    bars = axis.bar(names, values)
+    axis.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=8)
+    axis.set_ylabel("server CPU-ms per decision (c=8, whole process tree)")
+    axis.set_title("CPU per decision, tabular decision")
+    axis.tick_params(axis="x", labelrotation=30, labelsize=8)
+    axis.grid(True, axis="y", alpha=0.3)
+    figure.tight_layout()
+    cpu_png = out_dir / "peers_cpu.png"
+    figure.savefig(cpu_png, dpi=110)
+    plt.close(figure)
+    return [load_png, cpu_png]
+
+
+def versions(names: Sequence[str]) -> dict[str, Any]:
+    """Versions of what was measured: riskserve's venv and each peer venv's pinned packages."""
+    from importlib.metadata import version
+
+    from bench.peers.venvs import installed
+
+    out: dict[str, Any] = {p: version(p) for p in ("ray", "grpcio", "xgboost", "scikit-learn", "tl2cgen")}
+    out["python"] = sys.version.split()[0]
+    for peer, venv in (("mlserver", "mlserver"), ("kserve", "kserve"), ("triton", "pytriton")):
+        if any(n.startswith(peer) for n in names):
+            out[venv] = installed(venv)
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from bench.peers.systems import SYSTEMS
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", type=Path, default=ROOT / "models", help="demo models (make models)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--quick", action="store_true", help="tiny counts: a smoke run, not a measurement")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    parser.add_argument(
+        "--report", type=Path, help="only recompute rows, ratios and plots of this peers.json"
+    )
+    args = parser.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.report:
+        return report(args.report)
+    models = args.models.resolve()
+    plan, sweep = (QUICK, QUICK_SWEEP) if args.quick else (FULL, FULL_SWEEP)
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=".peers-", dir=args.out))
+    os.environ["RISKSERVE_STATE_DIR"] = str(run_dir / "state")  # never a user's running riskserve
+    load = os.getloadavg()
+    log(f"systems {', '.join(args.systems)}; load average {load[0]:.2f}; run dir {run_dir}")
+    started = time.perf_counter()
+    found = versions(args.systems)
+    log(f"versions: {found}")
+    try:
+        results = run_systems(args.systems, models, plan, sweep, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    table = rows(results)
+    ratio = ratios(results, table)
+    print_report(results, table, ratio)
+    document = {
+        "systems": results,
+        "rows": table,
+        "riskserve_over_row": ratio,
+        "versions": found,
+        "settings": {
+            "quick": args.quick,
+            "plan": dataclasses.asdict(plan),
+            "sweep": dataclasses.asdict(sweep),
+            "p99_limit_ms": P99_LIMIT_MS,
+        },
+        "machine": {"cpus": os.cpu_count(), "load_average_at_start": load},
+        "seconds": time.perf_counter() - started,
+    }
+    json_path = write_results(args.out, "peers", document)
+    pngs = plot(args.out, results)
+    print(f"\nresults: {json_path}\nplots:   {' '.join(map(str, pngs))}")
+    return 1 if any(not valid(r) for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""Start and stop each system of the peer benchmark on loopback; each returns a ``bench.hotpath.Running``.
+
+A system is one process tree (so ``/proc`` sampling covers all of it): a model server with a gateway is
+started as ``sh -c 'SERVER >log 2>&1 & exec GATEWAY'``, which makes the server a child of the gateway.
+Start-up time (cold start) is from ``Popen`` to the first correct answer of a probe call through the same
+API the load generator uses. Stopping is by pid: SIGTERM to the root, then SIGKILL to every process of the
+tree that is still alive after a grace period.
+
+Peers that are not riskserve's run from their own venvs (:mod:`bench.peers.venvs`) with ``PYTHONPATH`` set
+to the repository, so their runtimes can import :mod:`bench.peers.decision` (numpy only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench._procs import sample_tree
+from bench.hotpath import Running, log, start_floor, start_riskserve
+from bench.peers.decision import decision_spec
+from bench.peers.v2 import decision_request, outputs, services
+from bench.peers.venvs import PEERS, ensure
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+
+__all__ = ["SYSTEMS", "start"]
+
+ROOT = Path(__file__).resolve().parents[2]
+PEERS_DIR = ROOT / "bench" / "peers"
+PIPELINE = ROOT / "deploy" / "pipelines" / "tabular_only.yaml"
+START_S = 180.0
+SYSTEMS = (
+    "floor",
+    "riskserve",
+    "ray_serve",
+    "mlserver_gateway",
+    "mlserver_runtime",
+    "kserve_gateway",
+    "kserve_runtime",
+    "triton_gateway",
+    "triton_runtime",
+)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _probe_request() -> pb.DecideRequest:
+    from riskserve.demo.dataset import generate_transactions
+
+    return pb.DecideRequest(
+        request_id="probe", **generate_transactions(1, seed=1).request_fields(0, text=False)
+    )
+
+
+Probe = Callable[[], str]
+"""One call to a starting system: '' once it answered, else why not (the last reason is reported)."""
+
+
+def _riskserve_probe(target: str) -> Probe:
+    """One ``Decide`` through riskserve's API."""
+    request = _probe_request()
+
+    def probe() -> str:
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.RiskPipelineStub(channel)  # type: ignore[no-untyped-call]
+            try:
+                stub.Decide(request, metadata=(("application", "tabular_only"),), timeout=5)
+            except grpc.RpcError as error:
+                return f"{error.code().name}: {error.details()}"
+        return ""
+
+    return probe
+
+
+def _v2_probe(target: str, model: str) -> Probe:
+    """One V2 ``ModelInfer`` of the decision model, answered with a risk score."""
+    request = _probe_request()
+    message = decision_request(
+        model,
+        "probe",
+        {k: [v] for k, v in request.numeric.items()},
+        {k: [v] for k, v in request.categorical.items()},
+    )
+
+    def probe() -> str:
+        with grpc.insecure_channel(target) as channel:
+            try:
+                response = services.GRPCInferenceServiceStub(channel).ModelInfer(message, timeout=5)
+            except grpc.RpcError as error:
+                return f"{error.code().name}: {error.details()}"
+        return "" if "risk_score" in outputs(response) else f"no risk_score in {response}"
+
+    return probe
+
+
+def _members(pid: int) -> set[tuple[int, int]]:
+    """(pid, start time) of ``pid`` and its descendants: a pid is only ever killed while it still names
+    the process that was seen (a reused pid is left alone)."""
+    return set(sample_tree(pid).cpu_s)
+
+
+def _stop_tree(process: subprocess.Popen[Any], known: set[tuple[int, int]], grace_s: float = 20.0) -> None:
+    """SIGTERM the root, wait, then SIGKILL whatever of its tree is left, each by pid.
+
+    ``known`` holds every pid seen in the tree while it started: a child whose parent died (a model
+    server beside a gateway that exited) is no longer a descendant, and is killed all the same.
+    """
+    tree = _members(process.pid) | known
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace_s)
+    for pid, start in tree:
+        if (pid, start) in _members(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)
+
+
+def launch(
+    name: str,
+    command: list[str],
+    probe: Probe,
+    run_dir: Path,
+    *,
+    target: str,
+    client: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Running:
+    """Start ``command``, call ``probe`` until it answers (its start-up time), return it as a system."""
+    log_path = run_dir / f"{name}.log"
+    started = time.perf_counter()
+    with log_path.open("w") as output:
+        process = subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+    known: set[tuple[int, int]] = set()
+    while why := probe():
+        known |= _members(process.pid) if process.poll() is None else set()
+        if process.poll() is not None or time.perf_counter() - started > START_S:
+            _stop_tree(process, known, grace_s=2.0)
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(
+                f"{name} did not answer (exit {process.returncode}; last probe: {why}); {log_path}:\n{tail}"
+            )
+        time.sleep(0.2)
+    startup_s = time.perf_counter() - started
+    known |= _members(process.pid)
+    return Running(
+        name,
+        "tabular_only",
+        target,
+        process.pid,
+        False,
+        lambda: _stop_tree(process, known),
+        startup_s,
+        client,
+    )
+
+
+def _peer_env() -> dict[str, str]:
+    """The environment of a peer's processes: the repository importable, no stray venv, quiet libraries."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    return env | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def write_spec(run_dir: Path) -> Path:
+    """The decision spec of ``tabular_only.yaml`` for the peers' runtimes."""
+    import yaml
+
+    path = run_dir / "decision_spec.json"
+    path.write_text(json.dumps(decision_spec(yaml.safe_load(PIPELINE.read_text()))))
+    return path
+
+
+def _gateway(
+    name: str,
+    backend: list[str],
+    backend_target: str,
+    run_dir: Path,
+    outputs: str = "credit=predict_proba,fraud=predict_proba",
+    env: dict[str, str] | None = None,
+) -> Running:
+    """``backend`` (a V2 model server serving ``credit`` and ``fraud``) behind ``bench/peers/gateway.py``."""
+    port = _free_port()
+    gateway = [
+        sys.executable,
+        str(PEERS_DIR / "gateway.py"),
+        "--backend",
+        backend_target,
+        "--port",
+        str(port),
+        "--outputs",
+        outputs,
+    ]
+    backend_log = run_dir / f"{name}-server.log"
+    script = f"{shlex.join(backend)} >{shlex.quote(str(backend_log))} 2>&1 & exec {shlex.join(gateway)}"
+    target = f"127.0.0.1:{port}"
+    return launch(
+        name,
+        ["sh", "-c", script],
+        _riskserve_probe(target),
+        run_dir,
+        target=target,
+        env=_peer_env() | (env or {}),
+    )
+
+
+def _runtime(
+    name: str, command: list[str], target: str, run_dir: Path, expect: Path, env: dict[str, str] | None = None
+) -> Running:
+    """A V2 model server whose ``decision`` model makes the whole decision, called by loadgen over V2."""
+    client = ("--protocol", "v2", "--model", "decision", "--expect", str(expect))
+    probe = _v2_probe(target, "decision")
+    return launch(name, command, probe, run_dir, target=target, client=client, env=_peer_env() | (env or {}))
+
+
+# -- MLServer ------------------------------------------------------------------------------------------
+
+
+def _mlserver_repo(run_dir: Path, models: Path, which: str, spec: Path, python: Path) -> tuple[Path, int]:
+    """A model repository (settings.json and one folder per model) and its gRPC port.
+
+    Speed settings from MLServer's docs: ``parallel_workers: 0`` (inference in the main process: no
+    inter-process hop for models that take microseconds), adaptive batching off (``max_batch_size`` 0,
+    the default), metrics server off, debug off. The fraud model is a joblib file, as MLServer's
+    scikit-learn runtime requires: the harness pickles it here, in MLServer's own venv.
+    """
+    repo = run_dir / f"mlserver-{which}"
+    repo.mkdir()
+    port = _free_port()
+    settings = {
+        "debug": False,
+        "host": "127.0.0.1",
+        "http_port": _free_port(),
+        "grpc_port": port,
+        "metrics_port": _free_port(),
+        "metrics_endpoint": None,
+        "parallel_workers": 0,
+    }
+    (repo / "settings.json").write_text(json.dumps(settings))
+    models_settings: dict[str, dict[str, Any]] = {}
+    if which == "gateway":
+        (repo / "credit").mkdir()
+        (repo / "credit" / "model.json").write_bytes((models / "credit" / "model.json").read_bytes())
+        models_settings["credit"] = {"implementation": "mlserver_xgboost.XGBoostModel", "uri": "./model.json"}
+        (repo / "fraud").mkdir()
+        dump = (
+            "import sys, joblib; from bench.peers.decision import sklearn_fraud; "
+            "joblib.dump(sklearn_fraud(sys.argv[1]), sys.argv[2])"
+        )
+        subprocess.run(
+            [
+                str(python),
+                "-c",
+                dump,
+                str(models / "fraud" / "params.json"),
+                str(repo / "fraud" / "model.joblib"),
+            ],
+            check=True,
+            env=_peer_env(),
+        )
+        models_settings["fraud"] = {
+            "implementation": "mlserver_sklearn.SKLearnModel",
+            "uri": "./model.joblib",
+        }
+    else:
+        (repo / "decision").mkdir()
+        models_settings["decision"] = {
+            "implementation": "bench.peers.runtimes.mlserver_decision.DecisionRuntime",
+            "uri": ".",
+            "extra": {
+                "spec": str(spec),
+                "credit": str(models / "credit" / "model.json"),
+                "fraud": str(models / "fraud" / "params.json"),
+            },
+        }
+    for model, entry in models_settings.items():
+        parameters = {k: v for k, v in entry.items() if k in ("uri", "extra")}
+        document = {"name": model, "implementation": entry["implementation"], "parameters": parameters}
+        (repo / model / "model-settings.json").write_text(json.dumps(document))
+    return repo, port
+
+
+def start_mlserver(which: str, models: Path, run_dir: Path, spec: Path, expect: Path) -> Running:
+    venv = ensure("mlserver")
+    repo, port = _mlserver_repo(run_dir, models, which, spec, venv / "bin" / "python")
+    command = [str(venv / "bin" / "mlserver"), "start", str(repo)]
+    target = f"127.0.0.1:{port}"
+    if which == "gateway":
+        # MLServer's XGBoost runtime loads a Booster's JSON as an XGBRegressor: 'predict' is the probability.
+        return _gateway("mlserver_gateway", command, target, run_dir, "credit=predict,fraud=predict_proba")
+    return _runtime("mlserver_runtime", command, target, run_dir, expect)
+
+
+# -- KServe and Triton ---------------------------------------------------------------------------------
+
+
+def start_kserve(which: str, models: Path, run_dir: Path, spec: Path, expect: Path) -> Running:
+    """KServe's Python model server (``bench/peers/runtimes/kserve_server.py``) in KServe's venv."""
+    venv = ensure("kserve")
+    port = _free_port()
+    command = [str(venv / "bin" / "python"), str(PEERS_DIR / "runtimes" / "kserve_server.py")]
+    command += ["--which", which, "--models", str(models), "--spec", str(spec), "--grpc_port", str(port)]
+    command += ["--http_port", str(_free_port()), "--workers", "1", "--enable_latency_logging", "false"]
+    target = f"127.0.0.1:{port}"
+    if which == "gateway":
+        return _gateway("kserve_gateway", command, target, run_dir)
+    return _runtime("kserve_runtime", command, target, run_dir, expect)
+
+
+def start_triton(which: str, models: Path, run_dir: Path, spec: Path, expect: Path) -> Running:
+    """Triton through PyTriton (``bench/peers/runtimes/triton_server.py``) in PyTriton's venv."""
+    venv = ensure("pytriton")
+    port = _free_port()
+    command = [str(venv / "bin" / "python"), str(PEERS_DIR / "runtimes" / "triton_server.py")]
+    command += ["--which", which, "--models", str(models), "--spec", str(spec), "--grpc-port", str(port)]
+    command += ["--http-port", str(_free_port()), "--metrics-port", str(_free_port())]
+    target = f"127.0.0.1:{port}"
+    # PyTriton's Python backend stub for 3.11 links libpython3.11.so.1.0; without this it finds the
+    # system's (Debian's 3.11.2) beside our interpreter's 3.11.7 standard library, and fails to start
+    # ("'_thread.RLock' object has no attribute '_recursion_count'").
+    env = {"LD_LIBRARY_PATH": str(sysconfig.get_config_var("LIBDIR"))}
+    if which == "gateway":
+        return _gateway("triton_gateway", command, target, run_dir, env=env)
+    return _runtime("triton_runtime", command, target, run_dir, expect, env=env)
+
+
+def start(name: str, models: Path, run_dir: Path, spec: Path, expect: Path) -> Running:
+    """Start system ``name`` (one of :data:`SYSTEMS`); returns once it answered a probe."""
+    if name in ("floor", "riskserve"):  # started as make bench starts them; timed to the first answer
+        started = time.perf_counter()
+        if name == "floor":
+            system = start_floor(models, run_dir)
+        else:
+            system = dataclasses.replace(start_riskserve("tabular_only", models, run_dir), name=name)
+        probe = _riskserve_probe(system.target)
+        while why := probe():
+            if time.perf_counter() - started > START_S:
+                system.stop()
+                raise RuntimeError(f"{name} serves but does not answer: {why}")
+            time.sleep(0.05)
+        return dataclasses.replace(system, startup_s=time.perf_counter() - started)
+    if name == "ray_serve":
+        port = _free_port()
+        command = [sys.executable, str(PEERS_DIR / "ray_serve_app.py"), "--models", str(models)]
+        target = f"127.0.0.1:{port}"
+        return launch(
+            name,
+            [*command, "--port", str(port)],
+            _riskserve_probe(target),
+            run_dir,
+            target=target,
+            env=_peer_env(),
+        )
+    peer, which = name.rsplit("_", 1)
+    starter = {"mlserver": start_mlserver, "kserve": start_kserve, "triton": start_triton}[peer]
+    log(f"{name}: {PEERS[peer if peer != 'triton' else 'pytriton'].pins}")
+    return starter(which, models, run_dir, spec, expect)

@@ -1,0 +1,109 @@
+"""The peer benchmark's own pieces: the peers' numpy decision equals riskserve's encoder and the floor's
+rules, the V2 messages round-trip, and the load generator counts a wrong answer as wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from bench.loadgen import Tally, read_expected
+from bench.peers.decision import BadRequest, DecisionSpec, decision_spec
+from bench.peers.v2 import decision_request, outputs, pb, positive_class
+from riskserve.demo.dataset import generate_transactions
+from riskserve.features.encoder import FeatureEncoder, RawRequest
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as rpb
+from riskserve.pipelines.spec import load_pipeline
+
+PIPELINE = Path(__file__).resolve().parents[2] / "deploy" / "pipelines" / "tabular_only.yaml"
+
+
+@pytest.fixture
+def spec() -> DecisionSpec:
+    return DecisionSpec(decision_spec(yaml.safe_load(PIPELINE.read_text())))
+
+
+def test_peer_encoding_equals_riskserve_encoder(spec: DecisionSpec) -> None:
+    tx = generate_transactions(300, seed=7)
+    requests = [tx.request_fields(i, text=False) for i in range(300)]
+    requests[0]["categorical"]["channel"] = "carrier-pigeon"  # unknown category: the <unknown> column
+    encoder = FeatureEncoder(load_pipeline(PIPELINE).features)
+    expected = encoder.encode(
+        [encoder.validate(RawRequest(numeric=r["numeric"], categorical=r["categorical"])) for r in requests]
+    ).matrix
+    columns = {k: [r["numeric"][k] for r in requests] for k in requests[0]["numeric"]}
+    columns |= {k: [r["categorical"][k].encode() for r in requests] for k in requests[0]["categorical"]}
+    assert spec.names == encoder.columns
+    np.testing.assert_array_equal(spec.encode(columns, 300), expected)
+    assert spec.encode(columns, 300)[0, spec.names.index("channel=<unknown>")] == 1.0
+
+
+def test_peer_rules_and_bad_input(spec: DecisionSpec) -> None:
+    risk, outcomes = spec.decide(np.array([0.9, 0.4, 0.1, 0.3]), np.array([0.3, 0.2, 0.1, 0.3]))
+    np.testing.assert_allclose(risk, [0.6, 0.3, 0.1, 0.3])
+    assert outcomes == ["DECLINE", "REVIEW", "APPROVE", "REVIEW"]
+    with pytest.raises(BadRequest, match=r"^amount: -1\.0 is below the minimum 0\.01"):
+        spec.encode({"amount": [-1.0]}, 1)
+    with pytest.raises(BadRequest, match=r"^account_age_days: required"):
+        spec.encode({"amount": [5.0]}, 1)
+
+
+def test_v2_decision_request_and_raw_outputs() -> None:
+    message = decision_request("decision", "r1", {"amount": [1.5, 2.5]}, {"channel": ["pos", "atm"]})
+    amount, channel = message.inputs
+    assert (amount.name, amount.datatype, list(amount.shape), list(amount.contents.fp64_contents)) == (
+        "amount",
+        "FP64",
+        [2, 1],
+        [1.5, 2.5],
+    )
+    assert list(channel.contents.bytes_contents) == [b"pos", b"atm"]
+    raw = pb.ModelInferResponse(
+        outputs=[
+            pb.ModelInferResponse.InferOutputTensor(name="p", datatype="FP64", shape=[2, 1]),
+            pb.ModelInferResponse.InferOutputTensor(name="d", datatype="BYTES", shape=[2]),
+        ],
+        raw_output_contents=[
+            np.array([0.25, 0.75]).tobytes(),
+            b"".join(len(w).to_bytes(4, "little") + w for w in (b"APPROVE", b"REVIEW")),
+        ],
+    )
+    got = outputs(raw)
+    np.testing.assert_array_equal(positive_class(got["p"]), [0.25, 0.75])
+    assert got["d"] == [b"APPROVE", b"REVIEW"]
+    typed = pb.ModelInferResponse(
+        outputs=[
+            pb.ModelInferResponse.InferOutputTensor(
+                name="predict_proba",
+                datatype="FP64",
+                shape=[2, 2],
+                contents=pb.InferTensorContents(fp64_contents=[0.9, 0.1, 0.2, 0.8]),
+            )
+        ]
+    )
+    np.testing.assert_array_equal(positive_class(outputs(typed)["predict_proba"]), [0.1, 0.8])
+
+
+def test_loadgen_counts_wrong_answers(tmp_path: Path) -> None:
+    path = tmp_path / "expect.json"
+    path.write_text(json.dumps({"a": [0.2, 0.4, 0.3, "REVIEW"], "b": [0.1, 0.1, 0.1, "APPROVE"]}))
+    expect = read_expected(path)
+
+    def answer(request_id: str, credit: float, decision: str) -> rpb.DecideResponse:
+        models = [rpb.ModelScore(model="credit", score=credit), rpb.ModelScore(model="fraud", score=0.4)]
+        if request_id == "b":
+            models = [rpb.ModelScore(model="credit", score=0.1), rpb.ModelScore(model="fraud", score=0.1)]
+        risk = 0.3 if request_id == "a" else 0.1
+        return rpb.DecideResponse(request_id=request_id, decision=decision, risk_score=risk, models=models)
+
+    tally = Tally()
+    tally.answered(0.001, [answer("a", 0.2, "REVIEW"), answer("b", 0.1, "APPROVE")], expect)
+    assert (tally.decisions, tally.wrong) == (2, 0)
+    tally.answered(0.001, [answer("a", 0.2002, "REVIEW")], expect)
+    assert tally.wrong == 1
+    assert tally.wrong_example.startswith("a: credit 0.2002")
+    tally.answered(0.001, [answer("b", 0.1, "DECLINE"), answer("zz", 0.1, "APPROVE")], expect)
+    assert tally.wrong == 3
