@@ -18,6 +18,7 @@ import grpc
 
 from riskserve.features.stage import FeatureStage
 from riskserve.learning.recorder import DecisionRecorder
+from riskserve.pipelines.auth import label_source
 from riskserve.pipelines.flow import DecisionFlow
 from riskserve.pipelines.frontdoor import Admission, FrontDoor
 from riskserve.pipelines.guarded_call import GuardedModel, LocalEndpoint, MatrixSharer, RemoteEndpoint
@@ -27,6 +28,7 @@ from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.reasons import ReasonExplainer
 from riskserve.pipelines.shadow import ShadowFigures, Shadows
 from riskserve.pipelines.spec import PipelineSpec
+from riskserve.pipelines.tokens import Caller
 from riskserve.platform.errors import InvalidInput, ModelUnavailable, NotFound, RiskServeError
 from riskserve.platform.metrics import PipelineMetrics
 from riskserve.platform.runner import CandidateReport, ModelRunner, ModelStatus
@@ -200,11 +202,16 @@ class PipelineIngress:
         """The pipeline's features and models with their serving versions."""
         return describe_response(self._spec, await self.model_versions())
 
-    async def feedback(self, request: pb.FeedbackRequest) -> pb.FeedbackResponse:
+    async def feedback(
+        self, request: pb.FeedbackRequest, caller: Caller | None = None
+    ) -> pb.FeedbackResponse:
         """Record the true outcome of a past decision; answered only once the label is durable.
 
         The decision is ``decision_id`` (the id its Decide answer gave) or, for older clients, the one
         decision made for ``request_id``.
+
+        ``caller``: the authenticated caller when the front door checks tokens; the label's source is then
+        its identity (:func:`~riskserve.pipelines.auth.label_source`), else the request's ``source``.
 
         A retried ``feedback_id`` answers ``duplicate=true`` and is applied once. Errors: no such decision
         (NOT_FOUND), label not 0/1 or empty ids (INVALID_ARGUMENT, field named), the id reused for another
@@ -219,6 +226,7 @@ class PipelineIngress:
             )
         if request.label not in (0, 1):
             raise InvalidInput(f"must be 0 or 1, got {request.label}", field="label")
+        source = label_source(request.source, caller)
         try:  # a label sent right after its decision must find it: send this replica's buffer first
             await asyncio.wait_for(recorder.flush(), timeout=FEEDBACK_FLUSH_TIMEOUT_S)
         except Exception as error:
@@ -228,7 +236,7 @@ class PipelineIngress:
                 request.request_id,
                 int(request.label),
                 request.feedback_id,
-                request.source,
+                source,
                 decision_id=request.decision_id,
             )
         except Exception as error:
