@@ -105,6 +105,8 @@ class PipelineIngress:
         self.metrics: PipelineMetrics = self._flow.metrics
         self._draining = False
         self._remote_ready = not self._remote
+        self._remote_versions: dict[str, str] = {}
+        """Each remote model's serving version as of the last health probe (``Describe`` answers from it)."""
         admission = Admission(serving.ingress.max_ongoing_requests, serving.ingress.max_queued_requests)
         self._front_door = FrontDoor(self, serving.grpc, admission)
         self._refresher: asyncio.Task[None] | None = None
@@ -181,6 +183,8 @@ class PipelineIngress:
                 timeout=HEALTH_PROBE_TIMEOUT_S,
             )
             self._remote_ready = all(status.ready for status in statuses)
+            for name, status in zip(self._remote, statuses, strict=True):
+                self._remote_versions[name] = str(status.version or "")
         except Exception:
             self._remote_ready = False
 
@@ -199,8 +203,13 @@ class PipelineIngress:
         return await self._flow.decide(requests, trace_id, deadline, traced)
 
     async def describe(self) -> pb.DescribeResponse:
-        """The pipeline's features and models with their serving versions."""
-        return describe_response(self._spec, await self.model_versions())
+        """The pipeline's features and models with their serving versions, from the state this replica
+        keeps (models in the ingress: their runner; the others: the last health probe, at most
+        ``HEALTH_REFRESH_S`` old), so a flood of ``Describe`` never fans out to the model replicas."""
+        versions = {name: str(runner.status().version or "") for name, runner in self._runners.items()}
+        for name in self._remote:
+            versions[name] = self._remote_versions.get(name, "")
+        return describe_response(self._spec, versions)
 
     async def feedback(
         self, request: pb.FeedbackRequest, caller: Caller | None = None
