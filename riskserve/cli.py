@@ -45,11 +45,16 @@ def _up(args: argparse.Namespace) -> int:
     from riskserve.pipelines.local import deploy_to_cluster, up_local
 
     if args.address:
-        endpoints = deploy_to_cluster(args.pipelines, address=args.address, grpc_port=args.grpc_port)
+        endpoints = deploy_to_cluster(
+            args.pipelines, address=args.address, grpc_port=args.grpc_port, host=args.host,
+            ray_token_file=args.ray_token_file,
+        )  # fmt: skip
         for name, endpoint in endpoints.items():
             print(f"deployed {name} to {args.address}; gRPC {endpoint} on each node with its ingress")
         return 0
-    state = up_local(args.pipelines, grpc_port=args.grpc_port)
+    if args.ray_token_file is not None:
+        raise ConfigError("--ray-token-file is for --address: a local riskserve makes its own Ray token")
+    state = up_local(args.pipelines, grpc_port=args.grpc_port, host=args.host)
     for name, endpoint in state.endpoints.items():
         print(f"riskserve is up: {name} on {endpoint} (gRPC, metadata application={name})")
     print(
@@ -271,7 +276,15 @@ def _parser() -> argparse.ArgumentParser:
         "--grpc-port", type=int, default=None,
         help="gRPC port of the first pipeline, the next pipelines on the next ports (default: the YAMLs')",
     )  # fmt: skip
+    up.add_argument(
+        "--host", default=None,
+        help="address the gRPC endpoints bind (default: the YAMLs', 127.0.0.1; 0.0.0.0: every interface)",
+    )  # fmt: skip
     up.add_argument("--address", help="Ray cluster address (ray://... or HOST:PORT) instead of a local Ray")
+    up.add_argument(
+        "--ray-token-file", type=Path, default=None,
+        help="with --address: the cluster's Ray token (default: RAY_AUTH_TOKEN[_PATH] or ~/.ray/auth_token)",
+    )  # fmt: skip
     up.set_defaults(handler=_up)
 
     for name, handler, helptext in (
