@@ -54,6 +54,7 @@ __all__ = [
     "Admission",
     "FrontDoor",
     "Pipeline",
+    "check_front_door",
 ]
 
 logger = logging.getLogger(__name__)
@@ -224,6 +225,18 @@ class _Service(pb_grpc.RiskPipelineServicer):
 
         response: pb.FeedbackResponse = await self._simple(record, pb.FeedbackResponse(), context)
         return response
+
+
+def check_front_door(settings: FrontDoorSpec) -> None:
+    """Read the TLS files and the tokens ``settings`` name, as a replica will (``up`` fails fast on them).
+
+    Raises:
+        ConfigError: a file is missing, not PEM, or the tokens are invalid or readable by others.
+    """
+    if settings.tls is not None:
+        server_credentials(settings.tls.cert_file, settings.tls.key_file, settings.tls.client_ca_file)
+    if settings.auth is not None:
+        TokenStore(path=settings.auth.tokens_file, env=settings.auth.tokens_env)
 
 
 class FrontDoor:

@@ -263,7 +263,11 @@ def up_local(
         ConfigError: a pipeline file is invalid (checked before anything starts).
         ModelUnavailable: the background process died or did not become ready in time (its log is named).
     """
+    from riskserve.pipelines.frontdoor import check_front_door
+
     specs = [load_pipeline(p) for p in paths]  # fail fast, in the foreground, on a bad file
+    for spec in specs:
+        check_front_door(spec.front_door())  # and on TLS files or tokens a replica could not read
     assign_endpoints(specs, base_port=grpc_port, host=host)  # two pipelines on one port are refused here
     check_pools(specs)  # pipelines sharing a pool name share its capacity
     if read_state() is not None:

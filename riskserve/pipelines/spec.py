@@ -501,6 +501,22 @@ class PipelineSpec(_Strict):
         log = self.feedback_log_path()
         return log.parent / f"{log.name}.models" / model
 
+    def front_door(self) -> FrontDoorSpec:
+        """``serving.grpc`` with its TLS and tokens files made absolute against the YAML file's directory."""
+        front = self.serving.grpc
+        update: dict[str, Any] = {}
+        if front.tls is not None:
+            tls = front.tls
+            client_ca = self._relative(tls.client_ca_file) if tls.client_ca_file is not None else None
+            update["tls"] = tls.model_copy(update={
+                "cert_file": self._relative(tls.cert_file), "key_file": self._relative(tls.key_file),
+                "client_ca_file": client_ca,
+            })  # fmt: skip
+        if front.auth is not None and front.auth.tokens_file is not None:
+            tokens = self._relative(front.auth.tokens_file)
+            update["auth"] = front.auth.model_copy(update={"tokens_file": tokens})
+        return front.model_copy(update=update)
+
     def online_models(self) -> list[str]:
         """Models that learn from feedback."""
         return [name for name, model in self.models.items() if model.online is not None]
@@ -534,14 +550,7 @@ class PipelineSpec(_Strict):
             data["models_root"] = str(self._relative(self.models_root))
         if self.signing is not None:
             data["signing"]["public_key"] = str(self._relative(self.signing.public_key))
-        front = self.serving.grpc
-        files = (("tls", ("cert_file", "key_file", "client_ca_file")), ("auth", ("tokens_file",)))
-        for section, fields in files:
-            values = getattr(front, section)
-            for name in fields:
-                value = getattr(values, name) if values is not None else None
-                if value is not None:
-                    data["serving"]["grpc"][section][name] = str(self._relative(value))
+        data["serving"]["grpc"] = self.front_door().model_dump(mode="json")
         return data
 
 

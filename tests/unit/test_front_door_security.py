@@ -16,15 +16,16 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from riskserve.pipelines.auth import label_source
 from riskserve.pipelines.client import RiskClient
-from riskserve.pipelines.frontdoor import Admission, FrontDoor
+from riskserve.pipelines.frontdoor import Admission, FrontDoor, check_front_door
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
-from riskserve.pipelines.spec import FrontDoorSpec
+from riskserve.pipelines.spec import FrontDoorSpec, parse_pipeline
 from riskserve.pipelines.tokens import Caller, TokenStore
 from riskserve.platform.errors import (
     ConfigError,
@@ -36,6 +37,7 @@ from riskserve.platform.errors import (
 )
 from riskserve.platform.metrics import PipelineMetrics
 
+from ..conftest import PIPELINES
 from ..tls_helpers import Pki, make_pki, new_token, write_tokens
 
 T = TypeVar("T")
@@ -317,6 +319,20 @@ def test_tokens_without_tls_off_loopback_are_a_config_error(tokens: Tokens) -> N
     with pytest.raises(ValueError, match="plain text"):
         FrontDoorSpec.model_validate({"host": "0.0.0.0", "auth": {"tokens_file": tokens.path}})
     FrontDoorSpec.model_validate({"host": "127.0.0.1", "auth": {"tokens_file": tokens.path}})
+
+
+def test_tls_and_tokens_files_resolve_against_the_yaml_and_up_checks_them(tmp_path: Path) -> None:
+    data = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
+    data["serving"] = {"grpc": {"tls": {"cert_file": "certs/server.pem", "key_file": "certs/server.key"},
+                                "auth": {"tokens_file": "tokens.yaml"}}}  # fmt: skip
+    spec = parse_pipeline(data, base_dir=PIPELINES)
+    resolved = parse_pipeline(spec.resolved(), base_dir=tmp_path).serving.grpc  # what a replica gets
+    assert resolved.tls is not None
+    assert resolved.tls.cert_file == PIPELINES / "certs" / "server.pem"
+    assert resolved.auth is not None
+    assert resolved.auth.tokens_file == PIPELINES / "tokens.yaml"
+    with pytest.raises(ConfigError, match="cert_file"):
+        check_front_door(spec.front_door())  # the files do not exist: `riskserve up` stops here
 
 
 # -- bounds -----------------------------------------------------------------------------------------------
