@@ -252,7 +252,6 @@ class FrontDoor:
             on_refused=lambda: pipeline.metrics.refused("Watch", "RESOURCE_EXHAUSTED"),
         )
         self._services = ("", SERVICE_NAME, pipeline.name)
-        self._tokens: TokenStore | None = None
         self._reloader: asyncio.Task[None] | None = None
         self.port = 0
 
@@ -317,7 +316,6 @@ class FrontDoor:
         await server.start()
         self._server = server
         if store is not None and settings.auth is not None and settings.auth.tokens_file is not None:
-            self._tokens = store
             every = settings.auth.reload_s
             self._reloader = asyncio.get_running_loop().create_task(self._reload_tokens(store, every))
         closed = " (TLS)" if settings.tls else " (plain text)"

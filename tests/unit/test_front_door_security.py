@@ -297,6 +297,16 @@ def test_tokens_are_rechecked_at_most_once_per_period_and_a_bad_change_keeps_the
     assert store.lookup(fresh) is not None  # the last good table still serves
 
 
+def test_tokens_from_an_environment_variable(tokens: Tokens, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RISKSERVE_TEST_TOKENS", tokens.path.read_text())
+    store = TokenStore(env="RISKSERVE_TEST_TOKENS")
+    assert store.lookup(tokens.feedback) == Caller("chargebacks", frozenset({"feedback"}))
+    assert not store.refresh()  # read once
+    monkeypatch.delenv("RISKSERVE_TEST_TOKENS")
+    with pytest.raises(ConfigError, match="RISKSERVE_TEST_TOKENS"):
+        TokenStore(env="RISKSERVE_TEST_TOKENS")
+
+
 def test_a_tokens_file_others_may_read_is_refused(tokens: Tokens) -> None:
     tokens.path.chmod(0o644)
     with pytest.raises(ConfigError, match="chmod 600"):
