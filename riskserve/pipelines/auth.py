@@ -103,14 +103,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
         method_path: str = details.method
+        wrapped = self._wrapped.get(method_path)  # the service's handlers never change: wrap each once
+        if wrapped is not None:
+            return wrapped
+        handler = await continuation(details)
         if handler is None or not method_path.startswith(SERVICE_PREFIX):
             return handler  # health, reflection, unknown methods (UNIMPLEMENTED)
-        wrapped = self._wrapped.get(method_path)
-        if wrapped is None:
-            wrapped = self._wrap(handler, method_path.removeprefix(SERVICE_PREFIX))
-            self._wrapped[method_path] = wrapped
+        wrapped = self._wrap(handler, method_path.removeprefix(SERVICE_PREFIX))
+        self._wrapped[method_path] = wrapped
         return wrapped
 
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
