@@ -19,8 +19,12 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from riskserve.platform.errors import ConfigError, NotFound, RiskServeError
+
+if TYPE_CHECKING:
+    from riskserve.pipelines.client import RiskClient
 
 __all__ = ["main"]
 
@@ -41,11 +45,16 @@ def _up(args: argparse.Namespace) -> int:
     from riskserve.pipelines.local import deploy_to_cluster, up_local
 
     if args.address:
-        endpoints = deploy_to_cluster(args.pipelines, address=args.address, grpc_port=args.grpc_port)
+        endpoints = deploy_to_cluster(
+            args.pipelines, address=args.address, grpc_port=args.grpc_port, host=args.host,
+            ray_token_file=args.ray_token_file,
+        )  # fmt: skip
         for name, endpoint in endpoints.items():
             print(f"deployed {name} to {args.address}; gRPC {endpoint} on each node with its ingress")
         return 0
-    state = up_local(args.pipelines, grpc_port=args.grpc_port)
+    if args.ray_token_file is not None:
+        raise ConfigError("--ray-token-file is for --address: a local riskserve makes its own Ray token")
+    state = up_local(args.pipelines, grpc_port=args.grpc_port, host=args.host)
     for name, endpoint in state.endpoints.items():
         print(f"riskserve is up: {name} on {endpoint} (gRPC, metadata application={name})")
     print(
@@ -69,10 +78,32 @@ def _target(args: argparse.Namespace) -> str:
     return state.endpoint(args.pipeline)
 
 
+def _client(args: argparse.Namespace) -> RiskClient:
+    """A client of ``--pipeline`` with the TLS files and token the command was given.
+
+    The token comes from ``--token-file`` or the ``RISKSERVE_TOKEN`` environment variable, never from the
+    command line (other users see a process's arguments).
+    """
+    import os
+
+    from riskserve.pipelines.client import RiskClient
+
+    token = os.environ.get("RISKSERVE_TOKEN") or None
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as error:
+            raise ConfigError(f"--token-file: cannot read {args.token_file}: {error.strerror}") from error
+    return RiskClient(
+        _target(args), pipeline=args.pipeline, timeout_s=args.timeout, ca_file=args.ca_file,
+        cert_file=args.cert_file, key_file=args.key_file, token=token, server_name=args.server_name,
+    )  # fmt: skip
+
+
 def _decide(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from riskserve.pipelines.client import RiskClient, reason_lines, split_fields
+    from riskserve.pipelines.client import reason_lines, split_fields
 
     try:
         fields = json.loads(args.json)
@@ -81,7 +112,7 @@ def _decide(args: argparse.Namespace) -> int:
     if not isinstance(fields, dict):
         raise ConfigError("--json must be an object of fields")
     structured = {"numeric", "categorical", "text", "request_id"}
-    with RiskClient(_target(args), pipeline=args.pipeline, timeout_s=args.timeout) as client:
+    with _client(args) as client:
         if set(fields) <= structured and ("numeric" in fields or "categorical" in fields):
             response = client.decide(**fields)
         else:
@@ -103,23 +134,20 @@ def _decide(args: argparse.Namespace) -> int:
 def _describe(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from riskserve.pipelines.client import RiskClient
-
-    with RiskClient(_target(args), pipeline=args.pipeline, timeout_s=args.timeout) as client:
+    with _client(args) as client:
         described = client.describe()
     print(json.dumps(MessageToDict(described, preserving_proto_field_name=True), indent=2))
     return 0
 
 
 def _feedback(args: argparse.Namespace) -> int:
-    from riskserve.pipelines.client import RiskClient
-
-    with RiskClient(_target(args), pipeline=args.pipeline, timeout_s=args.timeout) as client:
+    with _client(args) as client:
+        source = args.source if args.source is not None else ("" if client.authenticated else "cli")
         ack = client.feedback(
             request_id=args.request_id or "",
             label=args.label,
             feedback_id=args.feedback_id,
-            source=args.source,
+            source=source,
             decision_id=args.decision_id or "",
         )
     what = "duplicate (already recorded, applied once)" if ack.duplicate else "recorded (durable)"
@@ -216,6 +244,17 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(models=args.models, pipeline=args.pipeline, grpc_port=args.grpc_port)
 
 
+def _client_options(command: argparse.ArgumentParser) -> None:
+    """TLS and token options of the commands that call the gRPC endpoint."""
+    command.add_argument("--ca-file", type=Path, help="PEM CA that signed the server's certificate: use TLS")
+    command.add_argument("--cert-file", type=Path, help="PEM client certificate (mutual TLS)")
+    command.add_argument("--key-file", type=Path, help="PEM key of --cert-file")
+    command.add_argument(
+        "--token-file", type=Path, help="file holding the bearer token (default: $RISKSERVE_TOKEN, if set)"
+    )
+    command.add_argument("--server-name", help="name the server's certificate is checked against")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="riskserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -237,7 +276,15 @@ def _parser() -> argparse.ArgumentParser:
         "--grpc-port", type=int, default=None,
         help="gRPC port of the first pipeline, the next pipelines on the next ports (default: the YAMLs')",
     )  # fmt: skip
+    up.add_argument(
+        "--host", default=None,
+        help="address the gRPC endpoints bind (default: the YAMLs', 127.0.0.1; 0.0.0.0: every interface)",
+    )  # fmt: skip
     up.add_argument("--address", help="Ray cluster address (ray://... or HOST:PORT) instead of a local Ray")
+    up.add_argument(
+        "--ray-token-file", type=Path, default=None,
+        help="with --address: the cluster's Ray token (default: RAY_AUTH_TOKEN[_PATH] or ~/.ray/auth_token)",
+    )  # fmt: skip
     up.set_defaults(handler=_up)
 
     for name, handler, helptext in (
@@ -248,6 +295,7 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--pipeline", required=True, help="pipeline name (the gRPC application)")
         command.add_argument("--target", help="HOST:PORT of the gRPC endpoint (default: the local riskserve)")
         command.add_argument("--timeout", type=float, default=10.0, help="seconds")
+        _client_options(command)
         if name == "decide":
             command.add_argument(
                 "--json", required=True, help='fields, e.g. \'{"amount": 12.5, "channel": "pos"}\''
@@ -267,9 +315,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     feedback.add_argument("--label", required=True, type=int, help="1: it was fraud, 0: it was not")
     feedback.add_argument("--feedback-id", required=True, help="idempotency key: a retry is applied once")
-    feedback.add_argument("--source", default="cli", help="who reports it (rate limited per source)")
+    feedback.add_argument(
+        "--source",
+        default=None,
+        help="who reports it, rate limited per source (default: cli; with a token: the token's identity)",
+    )
     feedback.add_argument("--target", help="HOST:PORT of the gRPC endpoint (default: the local riskserve)")
     feedback.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    _client_options(feedback)
     feedback.set_defaults(handler=_feedback)
     learning = commands.add_parser("learning", help="online learning of a pipeline: cursor, batches, errors")
     learning.add_argument("pipeline")

@@ -2,11 +2,15 @@
 
 with RiskClient("127.0.0.1:9000", pipeline="card_fraud") as client:
     response = client.decide(numeric={"amount": 42.0, ...}, categorical={...}, text="...")
+
+Against a front door with TLS and tokens: ``RiskClient(target, pipeline=..., ca_file=..., token=...)`` (and
+``cert_file``/``key_file`` for mutual TLS).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -14,6 +18,7 @@ import grpc
 
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.pipelines.tls import channel_credentials
 from riskserve.platform import errors
 
 __all__ = ["RiskClient", "reason_lines", "split_fields"]
@@ -27,6 +32,8 @@ _BY_STATUS: dict[grpc.StatusCode, type[errors.RiskServeError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
     grpc.StatusCode.ABORTED: errors.Conflict,
     grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
 }
 
 
@@ -76,12 +83,41 @@ def reason_lines(response: pb.DecideResponse) -> list[str]:
 class RiskClient:
     """A gRPC client of one pipeline; errors come back as riskserve exceptions with the server's message."""
 
-    def __init__(self, target: str, *, pipeline: str, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        pipeline: str,
+        timeout_s: float = 10.0,
+        ca_file: Path | None = None,
+        cert_file: Path | None = None,
+        key_file: Path | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
+    ) -> None:
+        """Plain text unless ``ca_file`` (or a client certificate) is given: then TLS, trusting ``ca_file``
+        (the system's roots when only a certificate is given) and presenting ``cert_file``/``key_file``.
+        ``token`` is sent as ``authorization: Bearer``; ``server_name`` overrides the name the server's
+        certificate is checked against (default: the target's host).
+
+        Raises:
+            ConfigError: a TLS file is missing or not PEM, or only one of ``cert_file``/``key_file``.
+        """
         self.pipeline = pipeline
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target)
+        if ca_file is None and cert_file is None and key_file is None:
+            self._channel = grpc.insecure_channel(target)
+        else:
+            options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+            credentials = channel_credentials(ca_file, cert_file, key_file)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
         self._stub = pb_grpc.RiskPipelineStub(self._channel)  # type: ignore[no-untyped-call]
-        self._metadata = (("application", pipeline),)
+        metadata: tuple[tuple[str, str], ...] = (("application", pipeline),)
+        self.authenticated = bool(token)
+        """Whether calls carry a bearer token (the server then takes a label's source from it)."""
+        if token:
+            metadata += (("authorization", f"Bearer {token}"),)
+        self._metadata = metadata
 
     def __enter__(self) -> RiskClient:
         return self

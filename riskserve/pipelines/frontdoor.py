@@ -7,6 +7,11 @@ riskserve's typed errors map by class (bad input INVALID_ARGUMENT naming the fie
 that names another pipeline (``application`` metadata) or none is NOT_FOUND, and the caller's real gRPC
 deadline bounds the decision. ``grpc.health.v1`` answers from the state the ingress keeps (never a fan-out
 per call) and server reflection is on. Shutdown drains: NOT_SERVING, no new calls, calls in flight finish.
+
+With ``tls`` the port speaks only TLS (mutual TLS with a client CA); with ``auth`` every pipeline RPC needs a
+bearer token with its role (:mod:`riskserve.pipelines.auth`), and a label's source is the caller's identity.
+Sizes are bounded (:mod:`riskserve.pipelines.bounds`): message bytes, ids, texts, batch size, streams per
+connection, health Watch streams per client.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from riskserve.pipelines.auth import AuthInterceptor, current_caller
+from riskserve.pipelines.bounds import WatchLimitedHealth, check_decide_requests, check_feedback_request
 from riskserve.pipelines.grpc_status import set_status
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.pipelines.spec import FrontDoorSpec
+from riskserve.pipelines.tls import server_credentials
+from riskserve.pipelines.tokens import Caller, TokenStore
 from riskserve.platform.errors import DeadlineExceeded, InvalidInput, ModelUnavailable, NotFound, Overloaded
 from riskserve.platform.metrics import PipelineMetrics
 from riskserve.platform.tracing import (
@@ -42,11 +50,11 @@ from riskserve.platform.tracing import (
 __all__ = [
     "APPLICATION_METADATA",
     "DEADLINE_METADATA",
-    "MAX_BATCH",
     "SERVICE_NAME",
     "Admission",
     "FrontDoor",
     "Pipeline",
+    "check_front_door",
 ]
 
 logger = logging.getLogger(__name__)
@@ -56,7 +64,6 @@ APPLICATION_METADATA = "application"
 """Metadata key naming the pipeline a call is for; required, so a decision never comes from another."""
 DEADLINE_METADATA = "riskserve-timeout-ms"
 """Optional metadata with a budget in ms; the gRPC deadline is used too (the shorter one wins)."""
-MAX_BATCH = 1024
 
 
 class Pipeline(Protocol):
@@ -72,7 +79,9 @@ class Pipeline(Protocol):
 
     async def describe(self) -> pb.DescribeResponse: ...
 
-    async def feedback(self, request: pb.FeedbackRequest) -> pb.FeedbackResponse: ...
+    async def feedback(self, request: pb.FeedbackRequest, caller: Caller | None) -> pb.FeedbackResponse:
+        """Record a label; ``caller`` is the authenticated caller (``None``: the front door has no tokens)."""
+        ...
 
 
 def _metadata(context: Any) -> dict[str, str]:
@@ -120,9 +129,10 @@ class Admission:
 class _Service(pb_grpc.RiskPipelineServicer):
     """The RPCs of ``riskserve.v1.RiskPipeline``: routing check, deadline, root span, one status each."""
 
-    def __init__(self, pipeline: Pipeline, admission: Admission) -> None:
+    def __init__(self, pipeline: Pipeline, admission: Admission, limits: FrontDoorSpec) -> None:
         self._pipeline = pipeline
         self._admission = admission
+        self._limits = limits
 
     def _route(self, metadata: dict[str, str]) -> None:
         named = metadata.get(APPLICATION_METADATA)
@@ -170,9 +180,7 @@ class _Service(pb_grpc.RiskPipelineServicer):
         with start_span(SPAN_DECIDE, context=parent, kind=SpanKind.SERVER, attributes=attributes) as span:
             try:
                 self._route(metadata)
-                if not 0 < len(requests) <= MAX_BATCH:
-                    count = len(requests)
-                    raise InvalidInput(f"expected 1 to {MAX_BATCH} requests, got {count}", field="requests")
+                check_decide_requests(requests, self._limits)
                 deadline = self._deadline(metadata, context)
                 traced = bool(span.is_recording())
                 async with self._admission.slot(deadline):
@@ -210,10 +218,25 @@ class _Service(pb_grpc.RiskPipelineServicer):
 
     async def Feedback(self, request: pb.FeedbackRequest, context: Any) -> pb.FeedbackResponse:  # noqa: N802
         """The true outcome of a past decision; answered once the label is durable."""
-        response: pb.FeedbackResponse = await self._simple(
-            lambda: self._pipeline.feedback(request), pb.FeedbackResponse(), context
-        )
+
+        async def record() -> pb.FeedbackResponse:
+            check_feedback_request(request, self._limits)
+            return await self._pipeline.feedback(request, current_caller())
+
+        response: pb.FeedbackResponse = await self._simple(record, pb.FeedbackResponse(), context)
         return response
+
+
+def check_front_door(settings: FrontDoorSpec) -> None:
+    """Read the TLS files and the tokens ``settings`` name, as a replica will (``up`` fails fast on them).
+
+    Raises:
+        ConfigError: a file is missing, not PEM, or the tokens are invalid or readable by others.
+    """
+    if settings.tls is not None:
+        server_credentials(settings.tls.cert_file, settings.tls.key_file, settings.tls.client_ca_file)
+    if settings.auth is not None:
+        TokenStore(path=settings.auth.tokens_file, env=settings.auth.tokens_env)
 
 
 class FrontDoor:
@@ -224,40 +247,88 @@ class FrontDoor:
         self._settings = settings
         self._admission = admission
         self._server: grpc.aio.Server | None = None
-        self._health = health_aio.HealthServicer()
+        self._health = WatchLimitedHealth(
+            settings.max_watch_streams_per_client,
+            on_refused=lambda: pipeline.metrics.refused("Watch", "RESOURCE_EXHAUSTED"),
+        )
         self._services = ("", SERVICE_NAME, pipeline.name)
+        self._reloader: asyncio.Task[None] | None = None
         self.port = 0
+
+    def _token_store(self) -> TokenStore | None:
+        auth = self._settings.auth
+        if auth is None:
+            return None
+        return TokenStore(path=auth.tokens_file, env=auth.tokens_env, reload_s=auth.reload_s)
+
+    async def _reload_tokens(self, store: TokenStore, every_s: float) -> None:
+        """Re-read a changed tokens file, off the call path (a ``stat`` per period)."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                store.refresh()
+            except Exception:  # never let the reloader die: the last good tokens keep serving
+                logger.exception("tokens reload failed")
 
     async def start(self) -> int:
         """Bind and serve; returns the port. NOT_SERVING until :meth:`set_serving` says otherwise.
 
         Raises:
             ModelUnavailable: the address cannot be bound (in use by something that is not a replica).
+            ConfigError: the TLS files or the tokens cannot be read or are invalid.
         """
+        settings = self._settings
         options = [
             ("grpc.so_reuseport", 1),
-            ("grpc.max_receive_message_length", self._settings.max_receive_message_bytes),
-            ("grpc.max_send_message_length", self._settings.max_send_message_bytes),
+            ("grpc.max_receive_message_length", settings.max_receive_message_bytes),
+            ("grpc.max_send_message_length", settings.max_send_message_bytes),
+            ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+            ("grpc.max_connection_idle_ms", int(settings.max_connection_idle_s * 1000)),
         ]
-        server = grpc.aio.server(options=options)
-        pb_grpc.add_RiskPipelineServicer_to_server(_Service(self._pipeline, self._admission), server)  # type: ignore[no-untyped-call]
+        store = self._token_store()
+        interceptors = []
+        if store is not None:
+            metrics = self._pipeline.metrics
+            interceptors.append(AuthInterceptor(store, on_refused=metrics.refused))
+        credentials = None
+        if settings.tls is not None:
+            tls = settings.tls
+            credentials = server_credentials(tls.cert_file, tls.key_file, tls.client_ca_file)
+        server = grpc.aio.server(options=options, interceptors=interceptors)
+        servicer = _Service(self._pipeline, self._admission, settings)
+        pb_grpc.add_RiskPipelineServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if self._settings.reflection:
             reflection.enable_server_reflection(
                 (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME), server,
             )  # fmt: skip
-        address = f"{self._settings.host}:{self._settings.port}"
+        address = f"{settings.host}:{settings.port}"
         try:
-            self.port = server.add_insecure_port(address)
+            if credentials is None:
+                self.port = server.add_insecure_port(address)
+            else:
+                self.port = server.add_secure_port(address, credentials)
         except RuntimeError as error:
             raise ModelUnavailable(f"cannot bind the gRPC endpoint {address}: {error}") from error
         for service in self._services:
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
-        logger.info("pipeline '%s': gRPC on %s", self._pipeline.name, address)
+        if store is not None and settings.auth is not None and settings.auth.tokens_file is not None:
+            every = settings.auth.reload_s
+            self._reloader = asyncio.get_running_loop().create_task(self._reload_tokens(store, every))
+        closed = " (TLS)" if settings.tls else " (plain text)"
+        closed += ", bearer tokens" if store is not None else ", no caller authentication"
+        logger.info("pipeline '%s': gRPC on %s%s", self._pipeline.name, address, closed)
+        if settings.host not in ("127.0.0.1", "::1", "localhost") and (store is None or settings.tls is None):
+            logger.warning("pipeline '%s': gRPC on %s is reachable from the network%s", self._pipeline.name,
+                           address, closed)  # fmt: skip
         return self.port
+
+    def watching(self, host: str) -> int:
+        """Health ``Watch`` streams open now from client address ``host``."""
+        return self._health.watching(host)
 
     async def set_serving(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING for the pipeline's services (Watch streams see the change)."""
@@ -270,6 +341,9 @@ class FrontDoor:
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, let calls in flight finish within ``grace_s``, stop."""
         server, self._server = self._server, None
+        if self._reloader is not None:
+            self._reloader.cancel()
+            self._reloader = None
         if server is None:
             return
         await self._health.enter_graceful_shutdown()

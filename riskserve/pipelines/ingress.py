@@ -18,6 +18,7 @@ import grpc
 
 from riskserve.features.stage import FeatureStage
 from riskserve.learning.recorder import DecisionRecorder
+from riskserve.pipelines.auth import label_source
 from riskserve.pipelines.flow import DecisionFlow
 from riskserve.pipelines.frontdoor import Admission, FrontDoor
 from riskserve.pipelines.guarded_call import GuardedModel, LocalEndpoint, MatrixSharer, RemoteEndpoint
@@ -27,6 +28,7 @@ from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.reasons import ReasonExplainer
 from riskserve.pipelines.shadow import ShadowFigures, Shadows
 from riskserve.pipelines.spec import PipelineSpec
+from riskserve.pipelines.tokens import Caller
 from riskserve.platform.errors import InvalidInput, ModelUnavailable, NotFound, RiskServeError
 from riskserve.platform.metrics import PipelineMetrics
 from riskserve.platform.runner import CandidateReport, ModelRunner, ModelStatus
@@ -103,6 +105,8 @@ class PipelineIngress:
         self.metrics: PipelineMetrics = self._flow.metrics
         self._draining = False
         self._remote_ready = not self._remote
+        self._remote_versions: dict[str, str] = {}
+        """Each remote model's serving version as of the last health probe (``Describe`` answers from it)."""
         admission = Admission(serving.ingress.max_ongoing_requests, serving.ingress.max_queued_requests)
         self._front_door = FrontDoor(self, serving.grpc, admission)
         self._refresher: asyncio.Task[None] | None = None
@@ -179,6 +183,8 @@ class PipelineIngress:
                 timeout=HEALTH_PROBE_TIMEOUT_S,
             )
             self._remote_ready = all(status.ready for status in statuses)
+            for name, status in zip(self._remote, statuses, strict=True):
+                self._remote_versions[name] = str(status.version or "")
         except Exception:
             self._remote_ready = False
 
@@ -197,14 +203,24 @@ class PipelineIngress:
         return await self._flow.decide(requests, trace_id, deadline, traced)
 
     async def describe(self) -> pb.DescribeResponse:
-        """The pipeline's features and models with their serving versions."""
-        return describe_response(self._spec, await self.model_versions())
+        """The pipeline's features and models with their serving versions, from the state this replica
+        keeps (models in the ingress: their runner; the others: the last health probe, at most
+        ``HEALTH_REFRESH_S`` old), so a flood of ``Describe`` never fans out to the model replicas."""
+        versions = {name: str(runner.status().version or "") for name, runner in self._runners.items()}
+        for name in self._remote:
+            versions[name] = self._remote_versions.get(name, "")
+        return describe_response(self._spec, versions)
 
-    async def feedback(self, request: pb.FeedbackRequest) -> pb.FeedbackResponse:
+    async def feedback(
+        self, request: pb.FeedbackRequest, caller: Caller | None = None
+    ) -> pb.FeedbackResponse:
         """Record the true outcome of a past decision; answered only once the label is durable.
 
         The decision is ``decision_id`` (the id its Decide answer gave) or, for older clients, the one
         decision made for ``request_id``.
+
+        ``caller``: the authenticated caller when the front door checks tokens; the label's source is then
+        its identity (:func:`~riskserve.pipelines.auth.label_source`), else the request's ``source``.
 
         A retried ``feedback_id`` answers ``duplicate=true`` and is applied once. Errors: no such decision
         (NOT_FOUND), label not 0/1 or empty ids (INVALID_ARGUMENT, field named), the id reused for another
@@ -219,6 +235,7 @@ class PipelineIngress:
             )
         if request.label not in (0, 1):
             raise InvalidInput(f"must be 0 or 1, got {request.label}", field="label")
+        source = label_source(request.source, caller)
         try:  # a label sent right after its decision must find it: send this replica's buffer first
             await asyncio.wait_for(recorder.flush(), timeout=FEEDBACK_FLUSH_TIMEOUT_S)
         except Exception as error:
@@ -228,7 +245,7 @@ class PipelineIngress:
                 request.request_id,
                 int(request.label),
                 request.feedback_id,
-                request.source,
+                source,
                 decision_id=request.decision_id,
             )
         except Exception as error:

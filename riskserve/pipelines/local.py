@@ -1,10 +1,12 @@
 """Run pipelines on a local Ray (a background process that owns it) or deploy them to a Ray cluster.
 
 ``riskserve up`` starts ``python -m riskserve.pipelines.local`` detached: it starts an embedded Ray bound to
-loopback and Serve without its proxies (each pipeline's ingress replicas serve gRPC themselves, one port
-per pipeline), deploys the pipelines, writes a state file and serves until it gets SIGTERM
-(``riskserve down``), when it drains and shuts Serve and its own Ray down. Only that process's cluster is
-touched; other Ray clusters on the machine are left alone.
+loopback, in token mode with this install's own token (:mod:`riskserve.pipelines.ray_auth`; the one socket
+Ray opens on every interface, each Serve replica's inter-deployment gRPC server, refuses calls without it),
+without its dashboard, and Serve without its proxies (each pipeline's ingress replicas serve gRPC
+themselves, one port per pipeline), deploys the pipelines, writes a state file and serves until it gets
+SIGTERM (``riskserve down``), when it drains and shuts Serve and its own Ray down. Only that process's
+cluster is touched; other Ray clusters on the machine are left alone.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ from pydantic import ConfigDict, ValidationError
 
 from riskserve.pipelines.endpoints import assign_endpoints, endpoint_of
 from riskserve.pipelines.pools import check_pools, single_node_resources
+from riskserve.pipelines.ray_auth import (
+    install_token,
+    refuses_without_token,
+    token_mode_env,
+    use_token_mode,
+)
 from riskserve.pipelines.spec import PipelineSpec, load_pipeline
 from riskserve.platform.artifacts import default_cache_dir
 from riskserve.platform.errors import ConfigError, ModelUnavailable, NotFound
@@ -70,7 +78,9 @@ class LocalState(_Schema):
     log: str
     started_at: float
     ray_auth_mode: str = "token"
-    """``RAY_AUTH_MODE`` the local Ray runs with; a driver joining it must use the same (token in ~/.ray)."""
+    """``RAY_AUTH_MODE`` the local Ray runs with; a driver joining it must use the same."""
+    ray_auth_token_path: str = ""
+    """The local Ray's token file (``RAY_AUTH_TOKEN_PATH``), readable by its owner only."""
 
     @property
     def target(self) -> str:
@@ -119,16 +129,21 @@ def read_state() -> LocalState | None:
 def connected(state: LocalState) -> Iterator[None]:
     """This process joined to the local riskserve's Ray for the block (a no-op if Ray is already up).
 
-    The local Ray binds loopback: a driver joining it must pick the same node address and auth mode,
-    and Ray reads both when it is imported, so they are set first.
+    The local Ray binds loopback and checks a token: a driver joining it must pick the same node address,
+    auth mode and token, and Ray reads them when it is imported, so they are set first.
     """
-    for key, value in {**LOOPBACK_RAY_ENV, "RAY_AUTH_MODE": state.ray_auth_mode}.items():
-        os.environ.setdefault(key, value)
+    already = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    if not already:
+        for key, value in LOOPBACK_RAY_ENV.items():
+            os.environ.setdefault(key, value)
+        if state.ray_auth_mode == "token" and state.ray_auth_token_path:
+            use_token_mode(Path(state.ray_auth_token_path))
+        else:
+            os.environ.setdefault("RAY_AUTH_MODE", state.ray_auth_mode)
     import logging
 
     import ray
 
-    already = ray.is_initialized()
     if not already:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # a CLI prints results, not Serve's chatter
         ray.init(address=state.gcs_address, log_to_driver=False, logging_level=logging.WARNING)
@@ -197,16 +212,34 @@ def _check_pools_exist(specs: Sequence[PipelineSpec]) -> None:
 
 
 def deploy_to_cluster(
-    paths: Sequence[Path], *, address: str, grpc_port: int | None, host: str | None = None
+    paths: Sequence[Path],
+    *,
+    address: str,
+    grpc_port: int | None,
+    host: str | None = None,
+    ray_token_file: Path | None = None,
 ) -> dict[str, str]:
     """Deploy pipelines to an existing Ray cluster (``up --address``); Serve keeps them after we exit.
 
-    Returns each pipeline's gRPC endpoint (on every node that runs one of its ingress replicas).
-    """
-    import ray
+    The cluster must run Ray token authentication: this process joins in token mode (the token from
+    ``ray_token_file``, else ``RAY_AUTH_TOKEN``/``RAY_AUTH_TOKEN_PATH``/``~/.ray/auth_token``), and a
+    ``HOST:PORT`` address is first called without a token, which the cluster must refuse.
 
+    Returns each pipeline's gRPC endpoint (on every node that runs one of its ingress replicas).
+
+    Raises:
+        ConfigError: no token, or the cluster at ``address`` accepts calls without one.
+    """
     specs = assign_endpoints([load_pipeline(p) for p in paths], base_port=grpc_port, host=host)
     check_pools(specs)
+    use_token_mode(ray_token_file)
+    if not address.startswith("ray://") and ":" in address and not refuses_without_token(address):
+        raise ConfigError(
+            f"the Ray cluster at {address} accepts calls without a token: start every node with "
+            "RAY_AUTH_MODE=token (and the cluster's token) before riskserve deploys to it"
+        )
+    import ray
+
     ray.init(address=address, log_to_driver=False)
     try:
         _check_pools_exist(specs)
@@ -218,7 +251,11 @@ def deploy_to_cluster(
 
 
 def up_local(
-    paths: Sequence[Path], *, grpc_port: int | None, timeout_s: float = READY_TIMEOUT_S
+    paths: Sequence[Path],
+    *,
+    grpc_port: int | None,
+    host: str | None = None,
+    timeout_s: float = READY_TIMEOUT_S,
 ) -> LocalState:
     """Start a local Ray with the pipelines in a background process and wait until they serve.
 
@@ -226,19 +263,26 @@ def up_local(
         ConfigError: a pipeline file is invalid (checked before anything starts).
         ModelUnavailable: the background process died or did not become ready in time (its log is named).
     """
+    from riskserve.pipelines.frontdoor import check_front_door
+
     specs = [load_pipeline(p) for p in paths]  # fail fast, in the foreground, on a bad file
-    assign_endpoints(specs, base_port=grpc_port)  # two pipelines on one port are refused here
+    for spec in specs:
+        check_front_door(spec.front_door())  # and on TLS files or tokens a replica could not read
+    assign_endpoints(specs, base_port=grpc_port, host=host)  # two pipelines on one port are refused here
     check_pools(specs)  # pipelines sharing a pool name share its capacity
     if read_state() is not None:
         raise ConfigError("a local riskserve is already running: `riskserve down` first")
     directory = state_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    token = install_token(directory)  # makes the directory 0700 too
     log_path = directory / "riskserve.log"
     command = [sys.executable, "-m", "riskserve.pipelines.local"]
     if grpc_port is not None:
         command += ["--grpc-port", str(grpc_port)]
+    if host is not None:
+        command += ["--host", host]
     command += [str(Path(p).resolve()) for p in paths]
-    env = {**os.environ, **LOOPBACK_RAY_ENV}
+    env = {**os.environ, **LOOPBACK_RAY_ENV, **token_mode_env(token)}
+    env.pop("RAY_AUTH_TOKEN", None)  # it would win over the install's token file
     with log_path.open("w") as log:
         process = subprocess.Popen(
             command,
@@ -309,11 +353,11 @@ def _drain(specs: Sequence[PipelineSpec]) -> None:
     time.sleep(DRAIN_S)
 
 
-def _serve_forever(paths: Sequence[Path], grpc_port: int | None) -> int:
+def _serve_forever(paths: Sequence[Path], grpc_port: int | None, host: str | None = None) -> int:
     """Body of the background process: own a local Ray and Serve until SIGTERM."""
     import ray
 
-    specs = assign_endpoints([load_pipeline(p) for p in paths], base_port=grpc_port)
+    specs = assign_endpoints([load_pipeline(p) for p in paths], base_port=grpc_port, host=host)
     (state_dir() / "artifacts.json").unlink(missing_ok=True)  # a new start serves what the YAML says
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -342,6 +386,7 @@ def _serve_forever(paths: Sequence[Path], grpc_port: int | None) -> int:
             log=str(state_dir() / "riskserve.log"),
             started_at=time.time(),
             ray_auth_mode=os.environ.get("RAY_AUTH_MODE", "token"),
+            ray_auth_token_path=os.environ.get("RAY_AUTH_TOKEN_PATH", ""),
         )
         path = state_dir() / "state.json"
         tmp = path.with_suffix(".tmp")
@@ -362,9 +407,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the background process (``python -m riskserve.pipelines.local``)."""
     parser = argparse.ArgumentParser(prog="riskserve-local")
     parser.add_argument("--grpc-port", type=int, default=None)
+    parser.add_argument("--host", default=None)
     parser.add_argument("pipelines", nargs="+", type=Path)
     args = parser.parse_args(argv)
-    return _serve_forever(args.pipelines, args.grpc_port)
+    return _serve_forever(args.pipelines, args.grpc_port, args.host)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from riskserve.platform.errors import ConfigError
 from riskserve.platform.tracing import TracingSettings
 
 __all__ = [
+    "AuthSpec",
     "BatchingSpec",
     "BreakerSpec",
     "DecisionSpec",
@@ -34,6 +35,7 @@ __all__ = [
     "ServingSpec",
     "SigningSpec",
     "StageSpec",
+    "TlsSpec",
     "load_pipeline",
     "parse_pipeline",
 ]
@@ -316,6 +318,38 @@ class StageSpec(_Strict):
     max_queued_requests: QueueLimit = 256
 
 
+class TlsSpec(_Strict):
+    """TLS of the gRPC endpoint; PEM files, relative paths against the YAML file's directory."""
+
+    cert_file: Path
+    """The server's certificate chain."""
+    key_file: Path
+    """The server's private key (keep it 0600)."""
+    client_ca_file: Path | None = None
+    """Set: mutual TLS, every client must present a certificate signed by this CA (else no handshake)."""
+
+
+class AuthSpec(_Strict):
+    """Bearer tokens on the gRPC endpoint (format in :mod:`riskserve.pipelines.tokens`): each token has an
+    identity and roles (``decide``, ``feedback``). Health and reflection stay open."""
+
+    tokens_file: Path | None = None
+    """The token table (mode 0600); re-read when it changes, so tokens are added and revoked live."""
+    tokens_env: str | None = Field(default=None, pattern=r"^[A-Z_][A-Z0-9_]*$")
+    """Or: an environment variable of the ingress processes holding the table (read once at start)."""
+    reload_s: float = Field(default=1.0, gt=0, le=3600)
+    """How often the file is checked for a change (a ``stat``; never on the call path)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AuthSpec:
+        if (self.tokens_file is None) == (self.tokens_env is None):
+            raise ValueError("give exactly one of 'tokens_file' and 'tokens_env'")
+        return self
+
+
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
 class FrontDoorSpec(_Strict):
     """riskserve's own gRPC endpoint, served by every ingress replica (replicas on one node share the port
     through ``SO_REUSEPORT``). One port per pipeline: a call naming another pipeline gets ``NOT_FOUND``."""
@@ -324,13 +358,44 @@ class FrontDoorSpec(_Strict):
     """Address to bind; loopback unless the operator opens it (``0.0.0.0`` for every interface)."""
     port: int = Field(default=9000, ge=1, le=65535)
     """Port of this pipeline (``riskserve up --grpc-port`` overrides it)."""
-    max_receive_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    tls: TlsSpec | None = None
+    """Serve TLS (and mutual TLS with ``client_ca_file``); plain text when absent."""
+    auth: AuthSpec | None = None
+    """Require a bearer token with the method's role on every call; open to every caller when absent."""
+    max_receive_message_bytes: int = Field(default=1024 * 1024, ge=1024, le=256 * 1024 * 1024)
     """Largest request accepted; a larger one gets RESOURCE_EXHAUSTED before it is parsed."""
     max_send_message_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    max_batch: int = Field(default=1024, ge=1, le=65536)
+    """Most requests in one ``DecideBatch`` (more: INVALID_ARGUMENT naming ``requests``)."""
+    max_id_chars: int = Field(default=128, ge=1, le=4096)
+    """Longest ``request_id`` and ``feedback_id`` (longer: INVALID_ARGUMENT naming the field)."""
+    max_source_chars: int = Field(default=128, ge=1, le=4096)
+    """Longest ``source`` of a label."""
+    max_text_chars: int = Field(default=4000, ge=1, le=1_000_000)
+    """Longest ``text`` of a request, whatever the pipeline's features (they may cap it lower)."""
+    max_features: int = Field(default=256, ge=1, le=100_000)
+    """Most numeric plus categorical entries in one request (each name and value at most
+    ``max_text_chars``)."""
+    max_concurrent_streams: int = Field(default=100, ge=1, le=10_000)
+    """Calls in flight on one HTTP/2 connection (``grpc.max_concurrent_streams``); more wait in the client
+    or are refused with UNAVAILABLE (HTTP/2 REFUSED_STREAM, safe to retry: nothing ran)."""
+    max_watch_streams_per_client: int = Field(default=4, ge=1, le=1000)
+    """Open health ``Watch`` streams per client address; more get RESOURCE_EXHAUSTED."""
+    max_connection_idle_s: float = Field(default=300, gt=0, le=86_400)
+    """A connection with no call for this long is closed (``grpc.max_connection_idle_ms``)."""
     reflection: bool = True
     """Serve gRPC server reflection (``grpcurl list`` works without the proto)."""
     drain_s: float = Field(default=5.0, ge=0, le=300)
     """At shutdown: health NOT_SERVING, no new calls, calls in flight get this long to finish."""
+
+    @model_validator(mode="after")
+    def _tokens_need_tls_off_loopback(self) -> FrontDoorSpec:
+        if self.auth is not None and self.tls is None and self.host not in _LOOPBACK:
+            raise ValueError(
+                f"bearer tokens on {self.host} without 'tls' would cross the network in plain text: "
+                "add serving.grpc.tls, or bind loopback"
+            )
+        return self
 
 
 class ServingSpec(_Strict):
@@ -436,6 +501,22 @@ class PipelineSpec(_Strict):
         log = self.feedback_log_path()
         return log.parent / f"{log.name}.models" / model
 
+    def front_door(self) -> FrontDoorSpec:
+        """``serving.grpc`` with its TLS and tokens files made absolute against the YAML file's directory."""
+        front = self.serving.grpc
+        update: dict[str, Any] = {}
+        if front.tls is not None:
+            tls = front.tls
+            client_ca = self._relative(tls.client_ca_file) if tls.client_ca_file is not None else None
+            update["tls"] = tls.model_copy(update={
+                "cert_file": self._relative(tls.cert_file), "key_file": self._relative(tls.key_file),
+                "client_ca_file": client_ca,
+            })  # fmt: skip
+        if front.auth is not None and front.auth.tokens_file is not None:
+            tokens = self._relative(front.auth.tokens_file)
+            update["auth"] = front.auth.model_copy(update={"tokens_file": tokens})
+        return front.model_copy(update=update)
+
     def online_models(self) -> list[str]:
         """Models that learn from feedback."""
         return [name for name, model in self.models.items() if model.online is not None]
@@ -469,6 +550,7 @@ class PipelineSpec(_Strict):
             data["models_root"] = str(self._relative(self.models_root))
         if self.signing is not None:
             data["signing"]["public_key"] = str(self._relative(self.signing.public_key))
+        data["serving"]["grpc"] = self.front_door().model_dump(mode="json")
         return data
 
 

@@ -14,6 +14,8 @@
     ├── Overloaded                 RESOURCE_EXHAUSTED
     ├── DeadlineExceeded           DEADLINE_EXCEEDED
     ├── AlreadyExists              ALREADY_EXISTS     (a decision already has a label of another value)
+    ├── Unauthenticated            UNAUTHENTICATED    (no or an unknown bearer token)
+    ├── PermissionDenied           PERMISSION_DENIED  (a known caller without the method's role)
     └── Conflict                   ABORTED            (a concurrent operation already runs)
 
 The gRPC layer turns any of them into ``context.abort(error.grpc_status, str(error))`` in one place.
@@ -38,7 +40,9 @@ __all__ = [
     "ModelUnavailable",
     "NotFound",
     "Overloaded",
+    "PermissionDenied",
     "RiskServeError",
+    "Unauthenticated",
 ]
 
 
@@ -125,6 +129,18 @@ class DeadlineExceeded(RiskServeError):
     """The caller's deadline passed before an answer was ready."""
 
     grpc_status = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unauthenticated(RiskServeError):
+    """The call carries no credentials or unknown ones."""
+
+    grpc_status = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(RiskServeError):
+    """The caller is known but may not do this (a role it lacks, an identity not its own)."""
+
+    grpc_status = grpc.StatusCode.PERMISSION_DENIED
 
 
 class Conflict(RiskServeError):

@@ -109,6 +109,7 @@ __all__ = [
     "MODEL_VERSION_INFO",
     "REASONS",
     "REASONS_LATENCY",
+    "REFUSED_CALLS",
     "REPORT_INTERVAL_ENV",
     "SHADOW_COMPARED",
     "SHADOW_DROPPED",
@@ -275,6 +276,12 @@ INVALID_REQUESTS: Final = MetricSpec(
     "Requests a pipeline rejected as invalid, by offending field.",
     ("pipeline", "field"),
 )
+REFUSED_CALLS: Final = MetricSpec(
+    "riskserve_refused_calls",
+    "counter",
+    "Calls the gRPC front door refused before serving them (credentials, roles, Watch stream caps).",
+    ("pipeline", "method", "status"),
+)
 DECISION_LATENCY: Final = MetricSpec(
     "riskserve_decision_latency_seconds",
     "histogram",
@@ -368,6 +375,7 @@ ALL_METRICS: Final[tuple[MetricSpec, ...]] = (
     MODEL_VERSION_INFO,
     DECISIONS,
     INVALID_REQUESTS,
+    REFUSED_CALLS,
     DECISION_LATENCY,
     FEATURE_LATENCY,
     LABELS_REFUSED,
@@ -761,6 +769,10 @@ class PipelineMetrics:
         registry = _registry()
         bounded = registry.bounded(INVALID_REQUESTS, "field", field or "unknown")
         registry.inc(INVALID_REQUESTS, {"pipeline": self.pipeline, "field": bounded})
+
+    def refused(self, method: str, status: str) -> None:
+        """One call refused at the front door (UNAUTHENTICATED, PERMISSION_DENIED, RESOURCE_EXHAUSTED)."""
+        _registry().inc(REFUSED_CALLS, {"pipeline": self.pipeline, "method": method, "status": status})
 
     def decision_latency(self, seconds: float) -> None:
         """End-to-end time of one decision call."""

@@ -131,6 +131,9 @@ class MetricsProbe:
     def invalid(self, field: str) -> None:
         self.pipeline.invalid(field)
 
+    def refused(self, method: str, status: str) -> None:
+        self.pipeline.refused(method, status)
+
     def report_interval_s(self) -> float:
         import ray
 
@@ -182,6 +185,7 @@ def recorded(prometheus: PrometheusServer, serve_cluster: ServeCluster) -> Itera
         for step in PLAN:
             handle.decide.remote(step).result()
         handle.invalid.remote(INVALID_FIELD).result()
+        handle.refused.remote("Feedback", "PERMISSION_DENIED").result()
         done_at = time.monotonic()
         prometheus.wait_for(
             f'sum({DECISIONS.exported}{{pipeline="{APP}"}})',
