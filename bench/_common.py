@@ -61,3 +61,23 @@ def plot_latency(out_dir: Path, name: str, series: dict[str, dict[int, float]], 
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def write_local_pipeline(data: dict[str, Any], models: Path, run_dir: Path, stem: str) -> Path:
+    """A pipeline document made to run from a scratch directory: artifacts at absolute paths into
+    ``models``; its feedback log, learned versions and traces under ``run_dir``, named from ``stem``.
+    Written as ``run_dir/STEM.yaml``, whose path is returned (a benchmark never writes into ``var/``)."""
+    import yaml
+
+    for model_name, model in data["models"].items():
+        model["artifact"] = str((models / model_name).resolve())
+        if model.get("online", {}).get("artifact_dir"):
+            model["online"]["artifact_dir"] = str(run_dir / f"{stem}-learned" / model_name)
+    if "feedback" in data:
+        data["feedback"]["log_path"] = str(run_dir / f"{stem}-feedback.sqlite")
+    tracing = data.get("tracing", {})
+    if tracing.get("file_path"):
+        tracing["file_path"] = str(run_dir / f"{stem}-traces.jsonl")
+    path = run_dir / f"{stem}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

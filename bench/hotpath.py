@@ -51,7 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import write_results
+from bench._common import write_local_pipeline, write_results
 from bench._procs import TreeSample, cpu_delta, descendants, rss_bytes, sample_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,18 +210,7 @@ def pipeline_copy(name: str, models: Path, run_dir: Path) -> Path:
         data["models"][model_name].update(fields)
     for section in variant.drop:
         data.pop(section, None)
-    for model_name, model in data["models"].items():
-        model["artifact"] = str((models / model_name).resolve())
-        if model.get("online", {}).get("artifact_dir"):
-            model["online"]["artifact_dir"] = str(run_dir / f"{name}-learned" / model_name)
-    if "feedback" in data:
-        data["feedback"]["log_path"] = str(run_dir / f"{name}-feedback.sqlite")
-    tracing = data.get("tracing", {})
-    if tracing.get("file_path"):
-        tracing["file_path"] = str(run_dir / f"{name}-traces.jsonl")
-    path = run_dir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    return write_local_pipeline(data, models, run_dir, name)
 
 
 def _riskserve(*args: str, timeout_s: float) -> tuple[int, str]:
