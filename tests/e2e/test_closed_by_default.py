@@ -25,6 +25,7 @@ import yaml
 from riskserve.pipelines.ray_auth import refuses_without_token
 
 from ..conftest import PIPELINES
+from ..sockets import is_loopback, listening_sockets
 from ..tls_helpers import Pki, make_pki, new_token, write_tokens
 
 pytestmark = pytest.mark.slow
@@ -107,27 +108,6 @@ def _process_tree(root: int) -> set[int]:
     return tree
 
 
-def _listening() -> dict[str, tuple[str, int]]:
-    """Socket inode -> (address, port) of every listening TCP socket of this network namespace."""
-    found: dict[str, tuple[str, int]] = {}
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A":  # LISTEN
-                continue
-            hex_address, hex_port = fields[1].split(":")
-            raw = bytes.fromhex(hex_address)
-            # The kernel prints each 32-bit word in host (little-endian) order.
-            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            family = socket.AF_INET if width == 4 else socket.AF_INET6
-            found[fields[9]] = (socket.inet_ntop(family, words), int(hex_port, 16))
-    return found
-
-
-def _loopback(address: str) -> bool:
-    return address.startswith(("127.", "::ffff:127.")) or address == "::1"
-
-
 def _refuses_without_token(port: int) -> bool:
     """Whether the server on ``port`` answers one of Ray's methods with UNAUTHENTICATED when sent no token."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -143,7 +123,7 @@ def _refuses_without_token(port: int) -> bool:
 
 def test_every_listening_socket_is_loopback_or_needs_rays_token(running: Running) -> None:
     tree = _process_tree(running.pid)
-    listening = _listening()
+    listening = listening_sockets()
     sockets: list[tuple[int, str, int]] = []
     for pid in tree:
         try:
@@ -157,7 +137,7 @@ def test_every_listening_socket_is_loopback_or_needs_rays_token(running: Running
     assert len(tree) >= 5, tree  # the background process, GCS, raylet, Serve's controller, the ingress
     ports = {port for _, _, port in sockets}
     assert running.port in ports, "the pipeline's front door is one of them"
-    open_sockets = [(pid, address, port) for pid, address, port in sockets if not _loopback(address)]
+    open_sockets = [(pid, address, port) for pid, address, port in sockets if not is_loopback(address)]
     unprotected = [s for s in open_sockets if not _refuses_without_token(s[2])]
     assert not unprotected, f"listening beyond loopback without Ray's token: {unprotected} (all: {sockets})"
     front_door = {address for _, address, port in sockets if port == running.port}

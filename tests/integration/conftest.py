@@ -33,6 +33,7 @@ from riskserve.pipelines.endpoints import endpoint_of
 from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 
 from ..conftest import PIPELINES
+from ..sockets import listening_sockets
 
 
 def free_port() -> int:
@@ -57,12 +58,7 @@ def serving_pid(spec: PipelineSpec) -> int:
     """The one process listening on the pipeline's gRPC port (its ingress replica), found by the kernel's
     socket table, not by asking riskserve."""
     port = int(endpoint(spec).rsplit(":", 1)[1])
-    sockets = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
-                sockets.add(f"socket:[{fields[9]}]")
+    sockets = {f"socket:[{inode}]" for inode, (_, bound) in listening_sockets().items() if bound == port}
     pids = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():

@@ -22,6 +22,7 @@ from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 
+from ..sockets import is_loopback, listening_sockets
 from .conftest import ServeCluster, channel, deploy, pipeline_on
 
 pytestmark = pytest.mark.slow
@@ -116,13 +117,13 @@ def test_a_lane_listens_on_loopback_and_refuses_a_call_without_its_token(
 ) -> None:
     lanes = _announced(specs["on"])
     assert len(lanes) == FRAUD_REPLICAS
-    listening = _listening_addresses()
+    listening = list(listening_sockets().values())
     matrix = lane_pb.FeaturesCall(rows=1, columns=1, values=b"\x00\x00\x00\x00")
     for lane in lanes:
         assert lane.host == "127.0.0.1"
-        assert ("127.0.0.1", lane.port) in listening
-        assert ("0.0.0.0", lane.port) not in listening
-        assert (f"[{'0' * 32}]", lane.port) not in listening  # [::], every interface
+        bound = [address for address, port in listening if port == lane.port]
+        assert set(bound) & {"127.0.0.1", "::ffff:127.0.0.1"}
+        assert all(is_loopback(address) for address in bound)  # never 0.0.0.0 or [::], every interface
         with grpc.insecure_channel(lane.target) as chan:
             stub = lane_grpc.ModelLaneStub(chan)  # type: ignore[no-untyped-call]
             for metadata in ((), ((TOKEN_HEADER, "not-" + lane.token),)):
@@ -161,23 +162,3 @@ def test_a_killed_replicas_lane_is_dropped_and_no_decision_fails(specs: dict[str
     assert sum(outcomes.values()) - outcomes["scored"] <= 5, outcomes
     _wait_for_lanes(spec, FRAUD_REPLICAS)
     assert victim.pid not in {lane.pid for lane in _announced(spec)}
-
-
-def _listening_addresses() -> set[tuple[str, int]]:
-    """(ip, port) of every listening TCP socket, from the kernel's tables; an IPv4-mapped IPv6 address
-    (gRPC binds 127.0.0.1 on an IPv6 socket) reads as its IPv4 address, other IPv6 ones as ``[hex]``."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A":  # LISTEN
-                continue
-            ip_hex, port_hex = fields[1].split(":")
-            if len(ip_hex) == 32 and ip_hex[:24] == "0000000000000000FFFF0000":
-                ip_hex = ip_hex[24:]
-            if len(ip_hex) == 8:
-                ip = ".".join(str(int(ip_hex[i : i + 2], 16)) for i in (6, 4, 2, 0))
-            else:
-                ip = f"[{ip_hex}]"
-            found.add((ip, int(port_hex, 16)))
-    return found

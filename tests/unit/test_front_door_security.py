@@ -38,6 +38,7 @@ from riskserve.platform.errors import (
 from riskserve.platform.metrics import PipelineMetrics
 
 from ..conftest import PIPELINES
+from ..manual_clock import ManualClock
 from ..tls_helpers import Pki, make_pki, new_token, write_tokens
 
 T = TypeVar("T")
@@ -267,18 +268,10 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_of_its_ca(pki: Pki, t
 # -- the tokens table -------------------------------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_tokens_are_rechecked_at_most_once_per_period_and_a_bad_change_keeps_the_last_good(
     tokens: Tokens,
 ) -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     store = TokenStore(path=tokens.path, reload_s=1.0, clock=clock)
     assert store.lookup(tokens.decide) == Caller("checkout", frozenset({"decide"}))
     fresh = new_token()

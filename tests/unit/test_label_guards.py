@@ -29,19 +29,11 @@ from riskserve.platform.metrics import LABELS_REFUSED, LearningMetrics, recorded
 from riskserve.platform.secret import install_secret, secret_path
 from riskserve.wrappers.sklearn_model import snapshot_scores
 
+from ..manual_clock import ManualClock
+
 COLUMNS = tuple(FEATURE_NAMES)
 ROUNDS = 20
 EVE = 150
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +64,7 @@ def _admission(log: FeedbackLog, pipeline: str, **limits: float) -> LabelAdmissi
         int(rates["burst"]),
         total_rate_per_s=rates.get("total_rate_per_s"),
         total_burst=int(rates["total_burst"]) if "total_burst" in rates else None,
-        clock=Clock(),
+        clock=ManualClock(),
     )
     return LabelAdmission(log, limiter, LearningMetrics(pipeline))
 
@@ -113,7 +105,7 @@ def test_the_holdout_split_is_keyed_by_a_private_install_secret(tmp_path: Path) 
 
 
 def test_inventing_sources_does_not_evade_the_total_rate() -> None:
-    clock = Clock()
+    clock = ManualClock()
     limiter = SourceRateLimiter(1, 1, total_rate_per_s=5, total_burst=10, clock=clock)
     for i in range(10):
         limiter.take(f"invented-{i}")  # each new source has a full bucket of its own ...
@@ -207,7 +199,7 @@ def test_an_attacker_cannot_move_the_model_past_its_bound_or_hurt_honest_log_los
 ) -> None:
     """Eve decides crafted transactions and labels them backwards from a thousand invented sources, and
     tries to flip the honest bank's labels; the bank labels its own decisions truthfully meanwhile."""
-    clock = Clock()
+    clock = ManualClock()
     log = FeedbackLog(tmp_path / "log.sqlite", clock=clock)
     spec = OnlineLearningSpec.model_validate(  # the YAML defaults, with a mini-batch a test can fill
         {"batch_size": 128, "interval_ms": 1000, "min_holdout_rows": 20}

@@ -20,17 +20,9 @@ from riskserve.pipelines.spec import OnlineLearningSpec
 from riskserve.platform.errors import Overloaded
 from riskserve.wrappers.sklearn_model import LinearSnapshot, train_step
 
+from ..manual_clock import ManualClock
+
 COLUMNS = tuple(FEATURE_NAMES)
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +139,7 @@ def test_held_out_labels_never_train_and_are_chosen_by_a_stable_keyed_hash() -> 
 def test_a_partial_batch_waits_for_its_interval(
     data: TabularData, base_artifact: Path, tmp_path: Path
 ) -> None:
-    clock = Clock()
+    clock = ManualClock()
     log = FeedbackLog(tmp_path / "log.sqlite", clock=clock)
     _record(log, data.x_test[:10], data.y_test[:10])
     learner = OnlineLearner(log, "fraud", _settings(interval_ms=2000), tmp_path / "learned", clock=clock)
@@ -221,7 +213,7 @@ def test_cap_step_leaves_a_small_step_alone(data: TabularData, base_artifact: Pa
 
 
 def test_a_source_over_its_rate_is_refused_by_name_and_others_are_not() -> None:
-    clock = Clock()
+    clock = ManualClock()
     limiter = SourceRateLimiter(rate_per_s=2, burst=3, clock=clock)
     for _ in range(3):
         limiter.take("analyst:eve")
