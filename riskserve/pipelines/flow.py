@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from riskserve.features.stage import FeatureStage, StageResult
 from riskserve.learning.recorder import DecisionRecorder
 from riskserve.pipelines.guarded_call import GuardedModel
+from riskserve.pipelines.ids import new_ids
 from riskserve.pipelines.messages import decide_response, raw_request
 from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.pipelines.reasons import Reason, ReasonExplainer
@@ -88,18 +88,21 @@ class DecisionFlow:
         per_model = await self._run_models(stage, deadline, traced)
         if time.monotonic() >= deadline:
             raise DeadlineExceeded("the decision's deadline passed while the models ran")
-        ids = [r.request_id or uuid.uuid4().hex for r in requests]
         # The decision's own id is the server's, never the caller's: a request_id is an echo, and two
         # callers may send the same one (see riskserve.learning.feedback_log).
-        decision_ids = [uuid.uuid4().hex for _ in requests]
-        decided = []
-        for i, request_id in enumerate(ids):
-            results = {name: per_model[name][i] for name in self._names}
-            with optional_span(traced, SPAN_DECISION, attributes={"request.id": request_id}) as span:
-                decision = self._engine.decide(stage.rows[i], results)
-                span.set_attributes({"outcome": decision.outcome, "risk_score": decision.risk_score})
-            self.metrics.decision(decision.outcome)
-            decided.append((decision, results))
+        decision_ids = new_ids(len(requests))
+        ids = [r.request_id or decision_ids[i] for i, r in enumerate(requests)]
+        decisions = self._engine.decide_batch(stage.rows, per_model)
+        names = self._names
+        decided = [
+            (decision, {name: per_model[name][i] for name in names}) for i, decision in enumerate(decisions)
+        ]
+        if traced:
+            for request_id, decision in zip(ids, decisions, strict=True):
+                attributes = {"request.id": request_id, "outcome": decision.outcome}
+                with optional_span(True, SPAN_DECISION, attributes=attributes) as span:
+                    span.set_attribute("risk_score", decision.risk_score)
+        self.metrics.decisions(decision.outcome for decision in decisions)
         reasons = await self._reasons(stage, decided)
         responses = [
             decide_response(

@@ -7,20 +7,33 @@ values) and ``text``. Functions added to CEL's standard library: ``max(a, b)``, 
 
 from __future__ import annotations
 
+import logging
+import random
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import cel
+import numpy as np
 
 from riskserve.features.encoder import ValidRow
+from riskserve.pipelines.batch_rules import (
+    BatchInputs,
+    CompiledExpression,
+    NotCompilable,
+    RowInputs,
+    Unsure,
+    compile_expression,
+)
 from riskserve.platform.errors import ConfigError
 
 if TYPE_CHECKING:
     from riskserve.pipelines.spec import Outcome, PipelineSpec
 
 __all__ = ["Decision", "DecisionEngine", "ModelResult", "rule_errors"]
+
+logger = logging.getLogger(__name__)
 
 _SEVERITY = {"APPROVE": 0, "REVIEW": 1, "DECLINE": 2}
 
@@ -150,9 +163,134 @@ class DecisionEngine:
         self._default = decision.default
         self._default_reason = decision.default_reason
         self._review_on_fallback = {name for name, m in spec.models.items() if m.fallback.review}
+        self._fallback_order = sorted(self._review_on_fallback)
+        self._reasons = [f"{rule.name}: {rule.reason}" for rule in decision.rules]
+        self._batch = _BatchProgram.build(spec)
+        if self._batch is not None and not self._batch_agrees(spec):
+            self._batch = None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the expressions run compiled (numpy for batches, Python for a row), else in CEL."""
+        return self._batch is not None
+
+    def decide_batch(
+        self, rows: Sequence[ValidRow], per_model: Mapping[str, Sequence[ModelResult]]
+    ) -> list[Decision]:
+        """:meth:`decide` for every row, in order: in numpy where the expressions allow it (see
+        :mod:`riskserve.pipelines.batch_rules`), row by row for the rest and for rows CEL would refuse."""
+        program = self._batch
+        if program is None or len(rows) < _BATCH_FROM:
+            return [self.decide(row, {n: r[i] for n, r in per_model.items()}) for i, row in enumerate(rows)]
+        count = len(rows)
+        fallbacks = {
+            name: np.fromiter((r.fallback for r in results), dtype=bool, count=count)
+            for name, results in per_model.items()
+        }
+        inputs = BatchInputs(
+            rows=count,
+            scores={
+                name: np.fromiter((r.score for r in results), dtype=np.float64, count=count)
+                for name, results in per_model.items()
+            },
+            fallbacks=fallbacks,
+            features={
+                name: np.fromiter((row.numeric[name] for row in rows), dtype=np.float64, count=count)
+                for name in program.features
+            },
+        )
+        score = program.score.evaluate(inputs)
+        raw = score.values
+        unsure = np.isnan(raw) if score.unsure is None else score.unsure | np.isnan(raw)
+        risk = np.clip(np.nan_to_num(raw, nan=1.0), 0.0, 1.0) + 0.0  # + 0.0: no -0.0, as min/max give
+        inputs = BatchInputs(inputs.rows, inputs.scores, fallbacks, inputs.features, risk_score=risk)
+        matched: list[list[bool]] = []
+        for rule in program.rules:
+            value = rule.evaluate(inputs)
+            if value.unsure is not None:
+                unsure |= value.unsure
+            matched.append(value.values.tolist())
+        flagged = [(name, fallbacks[name].tolist()) for name in self._fallback_order if name in fallbacks]
+        risks = risk.tolist()
+        unsure_rows = unsure.tolist()
+        rules = [(rule.outcome, reason) for (rule, _), reason in zip(self._rules, self._reasons, strict=True)]
+        out: list[Decision] = []
+        for i, row in enumerate(rows):
+            if unsure_rows[i]:  # CEL raises for this row: decide it the CEL way (REVIEW, with the reason)
+                out.append(self._decide_cel(row, {n: r[i] for n, r in per_model.items()}))
+                continue
+            outcome: Outcome = self._default
+            reasons: list[str] = []
+            for (rule_outcome, reason), hits in zip(rules, matched, strict=True):
+                if hits[i]:
+                    reasons.append(reason)
+                    outcome = _worse(outcome, rule_outcome)
+            for name, marks in flagged:
+                if marks[i]:
+                    result = per_model[name][i]
+                    reasons.append(
+                        f"{name}: model unavailable ({result.fallback_reason}), decided without it"
+                    )
+                    outcome = _worse(outcome, "REVIEW")
+            if not reasons:
+                reasons.append(self._default_reason)
+            out.append(Decision(outcome=outcome, risk_score=risks[i], reasons=reasons))
+        return out
+
+    def _batch_agrees(self, spec: PipelineSpec) -> bool:
+        """Whether the compiled program decides sample rows exactly as CEL does, in a batch and one by one
+        (at load, once)."""
+        rows, per_model = _samples(spec, count=256)
+        try:
+            batched = self.decide_batch(rows, per_model)
+            single = [self.decide(row, {n: r[i] for n, r in per_model.items()}) for i, row in enumerate(rows)]
+        except Exception:  # a bug here must cost speed, never a decision
+            logger.exception("pipeline '%s': compiled rules failed on samples; deciding in CEL", spec.name)
+            return False
+        for i, row in enumerate(rows):
+            expected = self._decide_cel(row, {n: r[i] for n, r in per_model.items()})
+            for decision in (batched[i], single[i]):
+                if expected == decision:
+                    continue
+                logger.warning("pipeline '%s': compiled rules differ from CEL on a sample (%s vs %s); "
+                               "deciding in CEL", spec.name, decision, expected)  # fmt: skip
+                return False
+        return True
 
     def decide(self, row: ValidRow, results: Mapping[str, ModelResult]) -> Decision:
         """Combine model results into one decision; a rule failing at run time forces REVIEW, not an error."""
+        program = self._batch
+        if program is None:
+            return self._decide_cel(row, results)
+        scores = {name: r.score for name, r in results.items()}
+        fallbacks = {name: r.fallback for name, r in results.items()}
+        features = {name: row.numeric[name] for name in program.features}
+        try:
+            raw = program.score.evaluate_row(RowInputs(scores, fallbacks, features))
+            if raw != raw:
+                raise Unsure("NaN risk score")
+            risk_score = min(1.0, max(0.0, float(raw)))
+            inputs = RowInputs(scores, fallbacks, features, risk_score)
+            matched = [rule.evaluate_row(inputs) for rule in program.rules]
+        except Unsure:  # CEL raises for this row: decide it the CEL way (REVIEW, with the reason)
+            return self._decide_cel(row, results)
+        outcome: Outcome = self._default
+        reasons: list[str] = []
+        for (rule, _), reason, hit in zip(self._rules, self._reasons, matched, strict=True):
+            if hit:
+                reasons.append(reason)
+                outcome = _worse(outcome, rule.outcome)
+        for name in self._fallback_order:
+            result = results.get(name)
+            if result is not None and result.fallback:
+                reasons.append(_unavailable(name, result))
+                outcome = _worse(outcome, "REVIEW")
+        if not reasons:
+            reasons.append(self._default_reason)
+        return Decision(outcome=outcome, risk_score=risk_score, reasons=reasons)
+
+    def _decide_cel(self, row: ValidRow, results: Mapping[str, ModelResult]) -> Decision:
+        """:meth:`decide` in CEL itself, the reference the compiled forms are checked against."""
         outcome: Outcome = self._default
         reasons: list[str] = []
         try:
@@ -179,11 +317,90 @@ class DecisionEngine:
         for name in sorted(self._review_on_fallback):
             result = results.get(name)
             if result is not None and result.fallback:
-                reasons.append(f"{name}: model unavailable ({result.fallback_reason}), decided without it")
+                reasons.append(_unavailable(name, result))
                 outcome = _worse(outcome, "REVIEW")
         if not reasons:
             reasons.append(self._default_reason)
         return Decision(outcome=outcome, risk_score=risk_score, reasons=reasons)
+
+
+_BATCH_FROM = 16
+"""Smallest batch decided in numpy; below it, row by row in Python is cheaper than a dozen numpy calls."""
+
+
+@dataclass(frozen=True)
+class _BatchProgram:
+    """The risk score and the rules compiled for whole batches, and the numeric features they read."""
+
+    score: CompiledExpression
+    rules: list[CompiledExpression]
+    features: tuple[str, ...]
+
+    @classmethod
+    def build(cls, spec: PipelineSpec) -> _BatchProgram | None:
+        """The compiled program, or ``None`` when an expression is beyond the compiled subset."""
+        from riskserve.features.spec import NumericField
+
+        numeric = [name for name, f in spec.features.fields.items() if isinstance(f, NumericField)]
+        models = list(spec.models)
+        decision = spec.decision
+        try:
+            score = compile_expression(decision.risk_score, models=models, features=numeric, risk_score=False)
+            rules = [
+                compile_expression(rule.when, models=models, features=numeric, risk_score=True)
+                for rule in decision.rules
+            ]
+        except NotCompilable as error:
+            logger.info("pipeline '%s': rules decided row by row in CEL (%s)", spec.name, error)
+            return None
+        if score.type != "double" or any(rule.type != "bool" for rule in rules):
+            return None
+        used = _Needs.of([decision.risk_score, *(rule.when for rule in decision.rules)]).features
+        features = tuple(numeric) if used is None else tuple(f for f in numeric if f in used)
+        return cls(score, rules, features)
+
+
+def _samples(spec: PipelineSpec, count: int) -> tuple[list[ValidRow], dict[str, list[ModelResult]]]:
+    """Rows and model results that reach the edges: bounds, defaults, scores 0 and 1, fallbacks."""
+    from riskserve.features.spec import CategoricalField, NumericField
+
+    chooser = random.Random(20261203)
+    scores = [0.0, 1.0, 0.5, 0.3, 0.6, 0.25, 0.75, 0.1, 0.9]
+    scores += [float(r) for r in (str(round(x, 3)) for x in np.linspace(0.0, 1.0, 41))]
+    rows: list[ValidRow] = []
+    for _ in range(count):
+        numeric: dict[str, float] = {}
+        categorical: dict[str, str] = {}
+        for name, field in spec.features.fields.items():
+            if isinstance(field, NumericField):
+                low = field.min if field.min is not None else -1e6
+                high = field.max if field.max is not None else 1e6
+                edges = [low, high, field.default if field.default is not None else low, 0.0, 1.0]
+                edges = [v for v in edges if low <= v <= high]
+                numeric[name] = (
+                    chooser.choice(edges) if chooser.random() < 0.3 else chooser.uniform(low, high)
+                )
+            elif isinstance(field, CategoricalField):
+                categorical[name] = chooser.choice(field.vocabulary)
+        rows.append(ValidRow(numeric=numeric, categorical=categorical, text="sample"))
+    per_model = {
+        name: [
+            ModelResult(
+                name=name,
+                version="sample",
+                score=chooser.choice(scores) if chooser.random() < 0.5 else chooser.random(),
+                fallback=chooser.random() < 0.1,
+                fallback_reason="sample",
+            )
+            for _ in range(count)
+        ]
+        for name in spec.models
+    }
+    return rows, per_model
+
+
+def _unavailable(name: str, result: ModelResult) -> str:
+    return f"{name}: model unavailable ({result.fallback_reason}), decided without it"
 
 
 def _worse(a: Outcome, b: Outcome) -> Outcome:

@@ -78,7 +78,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -763,6 +763,11 @@ class PipelineMetrics:
         if count > 0:
             series = (("pipeline", self.pipeline), ("outcome", str(outcome)))
             _registry().add(DECISIONS, series, float(count), float(count))
+
+    def decisions(self, outcomes: Iterable[DecisionOutcome | str]) -> None:
+        """One decision per item of ``outcomes``: one record per outcome, not one per decision."""
+        for outcome, count in collections.Counter(outcomes).items():
+            self.decision(outcome, count)
 
     def invalid(self, field: str) -> None:
         """One request rejected as invalid because of ``field`` (past 64 distinct fields: ``other``)."""

@@ -68,9 +68,12 @@ def test_trimmed_contexts_decide_exactly_as_full_ones(
         }
         for _ in rows
     ]
-    trimmed = [DecisionEngine(spec).decide(row, result) for row, result in zip(rows, results, strict=True)]
+    # CEL itself (``_decide_cel``): the compiled forms of tabular_only's rules read no context at all
+    engine = DecisionEngine(spec)
+    trimmed = [engine._decide_cel(row, result) for row, result in zip(rows, results, strict=True)]
     monkeypatch.setattr(rules._Needs, "of", classmethod(lambda cls, expressions: cls(None, None, True)))
-    full = [DecisionEngine(spec).decide(row, result) for row, result in zip(rows, results, strict=True)]
+    engine = DecisionEngine(spec)
+    full = [engine._decide_cel(row, result) for row, result in zip(rows, results, strict=True)]
     assert trimmed == full
     assert len({d.outcome for d in full}) > 1, "the sample exercises more than one outcome"
 

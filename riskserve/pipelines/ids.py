@@ -1,0 +1,23 @@
+"""Decision ids: 128 random bits each, as hex, from one ``urandom`` call per batch.
+
+A decision id is the key a label joins on, so it must not be guessable (a caller who could guess another
+caller's id could label that decision). ``uuid4`` gives the same 122+ random bits, but costs a system call
+and an object per id: 2,000 of them for a ``DecideBatch`` of 1,000.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["new_ids"]
+
+_BYTES = 16
+
+
+def new_ids(count: int) -> list[str]:
+    """``count`` distinct-with-overwhelming-probability random ids, 32 lowercase hex characters each."""
+    if count <= 0:
+        return []
+    text = os.urandom(_BYTES * count).hex()
+    width = 2 * _BYTES
+    return [text[i : i + width] for i in range(0, len(text), width)]
