@@ -28,6 +28,19 @@ def _cap(value: str, limit: int, field: str) -> None:
         raise InvalidInput(f"{len(value)} characters, at most {limit} allowed", field=field)
 
 
+def _within(request: pb.DecideRequest, limits: FrontDoorSpec) -> bool:
+    """Whether every part of ``request`` is within its cap (the fast check; no field named)."""
+    text_cap = limits.max_text_chars
+    numeric, categorical = request.numeric, request.categorical
+    return (
+        len(request.request_id) <= limits.max_id_chars
+        and len(request.text) <= text_cap
+        and len(numeric) + len(categorical) <= limits.max_features
+        and all(len(name) <= text_cap for name in numeric)
+        and all(len(name) <= text_cap and len(value) <= text_cap for name, value in categorical.items())
+    )
+
+
 def check_decide_requests(requests: Sequence[pb.DecideRequest], limits: FrontDoorSpec) -> None:
     """Refuse a batch over ``max_batch`` or a request with an over-long id, text or feature entry.
 
@@ -37,7 +50,9 @@ def check_decide_requests(requests: Sequence[pb.DecideRequest], limits: FrontDoo
     count = len(requests)
     if not 0 < count <= limits.max_batch:
         raise InvalidInput(f"expected 1 to {limits.max_batch} requests, got {count}", field="requests")
-    for i, request in enumerate(requests):
+    if all(_within(request, limits) for request in requests):
+        return
+    for i, request in enumerate(requests):  # something is over a cap: find it and name its field
         where = f"requests[{i}]." if count > 1 else ""
         _cap(request.request_id, limits.max_id_chars, f"{where}request_id")
         _cap(request.text, limits.max_text_chars, f"{where}text")

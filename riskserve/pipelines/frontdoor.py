@@ -17,10 +17,9 @@ connection, health Watch streams per client.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -44,7 +43,10 @@ from riskserve.platform.tracing import (
     current_trace_id,
     extract,
     mark_error,
+    new_trace_id,
+    recording,
     start_span,
+    trace_id_of,
 )
 
 __all__ = [
@@ -101,29 +103,56 @@ class Admission:
         self._slots = asyncio.Semaphore(ongoing)
         self._admitted = 0
 
-    @contextlib.asynccontextmanager
-    async def slot(self, deadline: float) -> AsyncIterator[None]:
-        if self.queued >= 0 and self._admitted >= self.ongoing + self.queued:
+    def slot(self, deadline: float) -> _Slot:
+        """A context manager that holds one of the ``ongoing`` slots while the decision runs.
+
+        Raises (on entry):
+            Overloaded: ``ongoing`` run and ``queued`` more wait already.
+            DeadlineExceeded: the deadline passed while waiting for a slot.
+        """
+        return _Slot(self, deadline)
+
+
+class _Slot:
+    """One admission to an :class:`Admission` (a plain class: an ``asynccontextmanager`` costs a generator
+    and two frames per decision)."""
+
+    __slots__ = ("_admission", "_deadline", "_held")
+
+    def __init__(self, admission: Admission, deadline: float) -> None:
+        self._admission = admission
+        self._deadline = deadline
+        self._held = False
+
+    async def __aenter__(self) -> None:
+        admission = self._admission
+        if admission.queued >= 0 and admission._admitted >= admission.ongoing + admission.queued:
             raise Overloaded(
-                f"overloaded: {self.ongoing} decisions running, {self.queued} queued in this ingress replica"
+                f"overloaded: {admission.ongoing} decisions running, {admission.queued} queued in this "
+                "ingress replica"
             )
-        self._admitted += 1
+        admission._admitted += 1
         try:
-            if self._slots.locked():  # wait for a slot, within the deadline
+            slots = admission._slots
+            if slots.locked():  # wait for a slot, within the deadline
                 try:
                     await asyncio.wait_for(
-                        self._slots.acquire(), timeout=max(deadline - time.monotonic(), 0.0)
+                        slots.acquire(), timeout=max(self._deadline - time.monotonic(), 0.0)
                     )
                 except TimeoutError:
                     raise DeadlineExceeded("the decision's deadline passed while it was queued") from None
             else:
-                await self._slots.acquire()  # free: no timer (a wait_for costs a task per call)
-            try:
-                yield
-            finally:
-                self._slots.release()
-        finally:
-            self._admitted -= 1
+                await slots.acquire()  # free: no timer (a wait_for costs a task per call)
+        except BaseException:
+            admission._admitted -= 1
+            raise
+        self._held = True
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._held:
+            self._held = False
+            self._admission._slots.release()
+            self._admission._admitted -= 1
 
 
 class _Service(pb_grpc.RiskPipelineServicer):
@@ -171,6 +200,17 @@ class _Service(pb_grpc.RiskPipelineServicer):
 
     async def _decide(self, requests: Sequence[pb.DecideRequest], context: Any, method: str) -> Any:
         metadata = _metadata(context)
+        if not recording():  # no span could be kept: skip OpenTelemetry, keep the trace id it would give
+            trace_id = trace_id_of(metadata) or new_trace_id()
+            try:
+                self._route(metadata)
+                check_decide_requests(requests, self._limits)
+                deadline = self._deadline(metadata, context)
+                async with self._admission.slot(deadline):
+                    return await self._pipeline.decide(requests, trace_id, deadline, False)
+            except Exception as error:  # every failure becomes its status, never UNKNOWN
+                self._failed(error, None, context)
+                return None
         attributes: dict[str, str | int] = {
             "pipeline": self._pipeline.name,
             "request.count": len(requests),

@@ -74,10 +74,13 @@ __all__ = [
     "flush_tracing",
     "inject",
     "mark_error",
+    "new_trace_id",
     "optional_span",
+    "recording",
     "shutdown_tracing",
     "span_to_dict",
     "start_span",
+    "trace_id_of",
 ]
 
 SPAN_DECIDE = "riskserve.decide"
@@ -368,6 +371,30 @@ def extract(carrier: Mapping[str, str] | None) -> Context:
     if not carrier:
         return Context()
     return _PROPAGATOR.extract({k.lower(): v for k, v in carrier.items() if k.lower() in _CARRIER_KEYS})
+
+
+def recording() -> bool:
+    """Whether this process can record any span (an exporter is configured). When not, a caller may skip
+    OpenTelemetry on the request path entirely and use :func:`trace_id_of` / :func:`new_trace_id`: the
+    trace ids are the ones OpenTelemetry would have given, and no span would have been kept anyway."""
+    settings = _current().settings
+    return settings is not None and settings.exporter != "none"
+
+
+def trace_id_of(carrier: Mapping[str, str] | None) -> str:
+    """The trace id of a valid ``traceparent`` in ``carrier`` (32 lowercase hex digits), else ``""``."""
+    if not carrier or "traceparent" not in carrier:
+        return ""
+    context = get_current_span(extract(carrier)).get_span_context()
+    return f"{context.trace_id:032x}" if context.is_valid else ""
+
+
+def new_trace_id() -> str:
+    """A new random, valid (non-zero) trace id, 32 lowercase hex digits, as a new root would get."""
+    while True:
+        value = os.urandom(16).hex()
+        if value != "0" * 32:
+            return value
 
 
 def carrier_from_grpc(grpc_context: Any) -> dict[str, str]:

@@ -467,3 +467,23 @@ def test_errors_mark_the_span(tmp_path: Path) -> None:
     assert handled["status"]["description"].startswith("KeyError")
     assert handled["events"][0]["attributes"]["exception.type"] == "KeyError"
     assert handled["attributes"] == {"kept": 1}
+
+
+def test_without_an_exporter_the_front_door_gets_the_ids_opentelemetry_would_give() -> None:
+    """With nothing recorded, the front door skips OpenTelemetry (``recording()`` is false) and takes the
+    trace id from a valid ``traceparent`` or makes a new one, as a non-recording span would."""
+    from riskserve.platform.tracing import new_trace_id, recording, trace_id_of
+
+    configure_tracing(TracingSettings(exporter="none"))
+    assert not recording()
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert trace_id_of({"traceparent": parent}) == "0af7651916cd43dd8448eb211c80319c"
+    assert trace_id_of({"traceparent": "00-" + "0" * 32 + "-b7ad6b7169203331-01"}) == ""  # invalid: all zero
+    assert trace_id_of({"traceparent": "garbage"}) == ""
+    assert trace_id_of({}) == ""
+    with start_span("root") as span:  # what OpenTelemetry gives a new root here: same shape
+        assert len(current_trace_id()) == 32
+        assert span.get_span_context().is_valid
+    ids = {new_trace_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(len(i) == 32 and int(i, 16) != 0 for i in ids)
