@@ -9,12 +9,12 @@ from typing import Any
 import yaml
 
 from riskserve.features.stage import FeatureStage
-from riskserve.pipelines.flow import DecisionFlow
-from riskserve.pipelines.guarded_call import GuardedModel, LocalEndpoint
-from riskserve.pipelines.reasons import ReasonExplainer
-from riskserve.pipelines.shadow import Shadows
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 from riskserve.platform.runner import ModelRunner
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
+from riskserve.serving.flow import DecisionFlow
+from riskserve.serving.guarded_call import GuardedModel, LocalEndpoint
+from riskserve.serving.reasons import ReasonExplainer
+from riskserve.serving.shadow import Shadows
 
 from .conftest import PIPELINES
 

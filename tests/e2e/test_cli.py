@@ -168,7 +168,7 @@ def test_up_refuses_an_invalid_pipeline_naming_the_path(
 def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env: dict[str, str]) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    from riskserve.pipelines.app import build_app
+    from riskserve.operations.app import build_app
 
     result = _riskserve(
         "export", "serve-config", str(PIPELINES / "card_fraud.yaml"), "--grpc-port", "9100", env=cli_env
@@ -180,7 +180,7 @@ def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env
     assert "grpc_options" not in config
     (app,) = config["applications"]
     assert app["name"] == "card_fraud"
-    assert app["import_path"] == "riskserve.pipelines.app:build_app"
+    assert app["import_path"] == "riskserve.operations.app:build_app"
     assert app["args"] == {"pipeline": str((PIPELINES / "card_fraud.yaml").resolve()), "grpc_port": 9100}
     # Serve's graph: ingress(spec, features, models, feedback)
     ingress = build_app(app["args"])._bound_deployment

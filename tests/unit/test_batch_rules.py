@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import yaml
 
-from riskserve.pipelines import rules
-from riskserve.pipelines.batch_rules import (
+from riskserve.schema import rules
+from riskserve.schema.batch_rules import (
     BatchInputs,
     NotCompilable,
     RowInputs,
     Unsure,
     compile_expression,
 )
-from riskserve.pipelines.rules import DecisionEngine, ModelResult
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
+from riskserve.schema.rules import DecisionEngine, ModelResult
 
 from ..conftest import PIPELINES
 

@@ -12,9 +12,9 @@ import yaml
 
 from riskserve.demo.dataset import FEATURE_NAMES, generate_transactions, tabular_features
 from riskserve.features.encoder import FeatureEncoder, RawRequest
-from riskserve.pipelines.rules import DecisionEngine, ModelResult
-from riskserve.pipelines.spec import load_pipeline, parse_pipeline
 from riskserve.platform.errors import ConfigError, InvalidInput
+from riskserve.schema.pipeline import load_pipeline, parse_pipeline
+from riskserve.schema.rules import DecisionEngine, ModelResult
 
 PIPELINES = Path(__file__).resolve().parents[2] / "deploy" / "pipelines"
 

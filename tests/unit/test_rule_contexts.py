@@ -12,9 +12,9 @@ import yaml
 
 from riskserve.demo.dataset import generate_transactions
 from riskserve.features.encoder import FeatureEncoder, RawRequest
-from riskserve.pipelines import rules
-from riskserve.pipelines.rules import DecisionEngine, ModelResult, _Needs
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+from riskserve.schema import rules
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
+from riskserve.schema.rules import DecisionEngine, ModelResult, _Needs
 
 from ..conftest import PIPELINES
 
