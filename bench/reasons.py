@@ -51,6 +51,7 @@ async def build_flow(models: Path, with_reasons: bool, shadow: dict[str, Any] | 
     from riskserve.serving.guarded_call import GuardedModel, LocalEndpoint
     from riskserve.serving.reasons import ReasonExplainer
     from riskserve.serving.shadow import Shadows
+    from riskserve.wrappers import backend
 
     document = yaml.safe_load((REPO / "deploy" / "pipelines" / "tabular_only.yaml").read_text())
     for name in ("credit", "fraud"):
@@ -62,7 +63,7 @@ async def build_flow(models: Path, with_reasons: bool, shadow: dict[str, Any] | 
     for name, model in spec.models.items():
         runner = ModelRunner(
             name, model.kind, dict(model.settings), spec.features.column_names(), spec.model_columns(name),
-            placement="ingress",
+            backends=backend, placement="ingress",
         )  # fmt: skip
         await runner.serve(str(spec.artifact_path(name)))
         runners[name] = runner

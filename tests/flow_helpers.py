@@ -15,6 +15,7 @@ from riskserve.serving.flow import DecisionFlow
 from riskserve.serving.guarded_call import GuardedModel, LocalEndpoint
 from riskserve.serving.reasons import ReasonExplainer
 from riskserve.serving.shadow import Shadows
+from riskserve.wrappers import backend
 
 from .conftest import PIPELINES
 
@@ -34,7 +35,7 @@ async def serve_runners(spec: PipelineSpec) -> dict[str, ModelRunner]:
     for name, model in spec.models.items():
         runner = ModelRunner(
             name, model.kind, dict(model.settings), spec.features.column_names(), spec.model_columns(name),
-            placement="ingress",
+            backends=backend, placement="ingress",
         )  # fmt: skip
         await runner.serve(str(spec.artifact_path(name)))
         runners[name] = runner

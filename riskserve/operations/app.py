@@ -23,12 +23,12 @@ from ray.serve import Application
 
 from riskserve.features.stage import FeatureStage
 from riskserve.operations.learning_service import FeedbackService
-from riskserve.platform.replica import ModelReplica
 from riskserve.schema.endpoints import with_endpoint
 from riskserve.schema.pipeline import PipelineSpec, StageSpec, load_pipeline
 from riskserve.schema.pools import actor_options, check_pools, ingress_cpus
 from riskserve.serving.ingress import PipelineIngress
 from riskserve.serving.model_lane import LanedModelReplica
+from riskserve.serving.model_replica import ModelReplica
 
 __all__ = ["AppArgs", "build_app", "build_application", "deployment_names"]
 
@@ -156,7 +156,10 @@ def build_application(
         models[name] = versioned.options(user_config={"artifact": str(artifact)}).bind(*args, **lane)
     feedback = None
     if spec.feedback is not None:
-        feedback = _stage(FeedbackService, names["feedback"], spec, spec.feedback.stage, data).bind(data)
+        feedback_stage = _stage(FeedbackService, names["feedback"], spec, spec.feedback.stage, data)
+        feedback = feedback_stage.bind(
+            data, build_application
+        )  # the service publishes by rebuilding this app
     in_ingress = {
         name: str((artifacts or {}).get(name) or data["models"][name]["artifact"])
         for name, model in spec.models.items()

@@ -29,6 +29,7 @@ from riskserve.learning.admission import LabelAdmission
 from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
 from riskserve.learning.learner import BatchReport, OnlineLearner, load_version
 from riskserve.learning.rate_limit import SourceRateLimiter
+from riskserve.operations.publish import AppBuilder, publish_checked
 from riskserve.platform.errors import ConfigError, Conflict, ModelUnavailable
 from riskserve.platform.metrics import LearningMetrics
 from riskserve.platform.runner import ModelStatus
@@ -50,8 +51,10 @@ ERROR_BACKOFF_S = 2.0
 class FeedbackService:
     """Serve deployment: ``record_decisions``, ``record_feedback``, ``status``; learns in a thread."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any], build: AppBuilder) -> None:
+        """``build``: the builder of the application this service is part of, to publish new versions."""
         self._spec = PipelineSpec.model_validate(spec)
+        self._build = build
         feedback = self._spec.feedback
         if feedback is None:
             raise ConfigError(f"pipeline '{self._spec.name}' has no feedback section")
@@ -153,8 +156,6 @@ class FeedbackService:
         await asyncio.to_thread(self._swap, model, artifact, version, expected)
 
     def _swap(self, model: str, artifact: str, version: str, expected: str) -> None:
-        from riskserve.operations.publish import publish_checked
-
         with self._cycle_lock:
             self._check_open(version)
             served = self._served(model)
@@ -166,7 +167,7 @@ class FeedbackService:
             learner = self._learners.get(model)
             if learner is not None:
                 load_version(artifact)  # learnable (a golden set) before anything is published
-            publish_checked(self._spec, model, artifact, version, served.artifact)
+            publish_checked(self._spec, model, artifact, version, served.artifact, build=self._build)
             if learner is not None:
                 learner.adopt(artifact)
                 self._drift_of[model] = 0.0
@@ -312,12 +313,10 @@ class FeedbackService:
         """Serve ``artifact`` on every replica of the model (a Serve ``user_config`` update), confirmed on
         each; a replica that refuses puts the previous artifact back (the cursor still names ``version``,
         so reconciliation tries again)."""
-        from riskserve.operations.publish import publish_checked
-
         self._check_open(version)
         previous = self._served(name).artifact
         started = time.monotonic()
-        publish_checked(self._spec, name, artifact, version, previous)
+        publish_checked(self._spec, name, artifact, version, previous, build=self._build)
         self._publish_seconds[name] = time.monotonic() - started
         self._publishes[name] = self._publishes.get(name, 0) + 1
         self._published[name] = version

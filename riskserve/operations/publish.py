@@ -12,13 +12,14 @@ without one, only ``riskserve swap`` publishes, under a per-pipeline file lock.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from riskserve.platform.runner import ModelStatus
 from riskserve.schema.pipeline import PipelineSpec
 
 __all__ = [
     "EVERY_REPLICA_TIMEOUT_S",
+    "AppBuilder",
     "application_status",
     "every_replica",
     "live_artifacts",
@@ -29,6 +30,23 @@ __all__ = [
 
 EVERY_REPLICA_TIMEOUT_S = 30.0
 """How long :func:`every_replica` asks before it gives up on a replica that never answers."""
+
+
+class AppBuilder(Protocol):
+    """Builds the pipeline's whole Serve application (:func:`riskserve.operations.app.build_application`).
+
+    Handed to every publisher rather than imported: the application contains the feedback service, which
+    publishes, so the builder is passed in by whoever deploys (and to the service by the builder itself).
+    """
+
+    def __call__(
+        self,
+        spec: PipelineSpec,
+        *,
+        draining: bool = False,
+        artifacts: dict[str, str] | None = None,
+        shadows: dict[str, dict[str, Any]] | None = None,
+    ) -> Any: ...
 
 
 def _ingress(spec: PipelineSpec) -> Any:
@@ -61,7 +79,11 @@ def live_artifacts(spec: PipelineSpec) -> dict[str, str]:
 
 
 def publish_artifacts(
-    spec: PipelineSpec, overrides: dict[str, str], *, shadows: dict[str, dict[str, Any]] | None = None
+    spec: PipelineSpec,
+    overrides: dict[str, str],
+    *,
+    build: AppBuilder,
+    shadows: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Serve ``overrides`` (model -> artifact directory) and keep the other models' current artifacts,
     the ingress's draining state and its shadows (``shadows`` replaces them when given).
@@ -73,14 +95,13 @@ def publish_artifacts(
     """
     from ray import serve
 
-    from riskserve.operations.app import build_application
     from riskserve.platform.errors import ModelUnavailable
 
     artifacts = {**live_artifacts(spec), **overrides}
     draining = bool(_ingress(spec).draining.remote().result())
     if shadows is None:
         shadows = dict(_ingress(spec).shadow_config.remote().result(timeout_s=30))
-    app = build_application(spec, artifacts=artifacts, draining=draining, shadows=shadows)
+    app = build(spec, artifacts=artifacts, draining=draining, shadows=shadows)
     # Checked last, just before the deploy: a redeploy of a pipeline being deleted would bring it back.
     status = application_status(spec.name)
     if status not in ("RUNNING", "DEPLOYING"):
@@ -113,7 +134,9 @@ def every_replica(
     return list(seen.values())
 
 
-def publish_checked(spec: PipelineSpec, model: str, artifact: str, version: str, previous: str) -> None:
+def publish_checked(
+    spec: PipelineSpec, model: str, artifact: str, version: str, previous: str, *, build: AppBuilder
+) -> None:
     """Publish ``artifact`` (holding ``version``) for ``model`` and confirm on every replica; if one does
     not serve it, publish ``previous`` back before raising, so a failed publish never takes effect.
 
@@ -124,14 +147,14 @@ def publish_checked(spec: PipelineSpec, model: str, artifact: str, version: str,
     """
     from riskserve.platform.errors import ModelLoadError, ModelUnavailable
 
-    publish_artifacts(spec, {model: artifact})
+    publish_artifacts(spec, {model: artifact}, build=build)
     try:
         stale = [s for s in every_replica(spec, model) if s.version != version]
     except ModelUnavailable as error:
-        publish_artifacts(spec, {model: previous})
+        publish_artifacts(spec, {model: previous}, build=build)
         raise ModelLoadError(f"{version} not confirmed on every replica ({error}); rolled back") from error
     if stale:
-        publish_artifacts(spec, {model: previous})
+        publish_artifacts(spec, {model: previous}, build=build)
         raise ModelLoadError(
             f"{len(stale)} replica(s) refused {version} ({stale[0].last_swap_error}); rolled back"
         )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from riskserve.operations.local import LocalState, connected, read_state
 from riskserve.operations.publish import publish_artifacts
-from riskserve.operations.swap import SwapResult, admit_candidate, exclusive, swap
+from riskserve.operations.swap import SwapResult, admit_candidate, build_application, exclusive, swap
 from riskserve.platform.errors import InvalidInput, ModelLoadError, NotFound, RiskServeError
 from riskserve.platform.runner import CandidateReport
 from riskserve.schema.pipeline import PipelineSpec
@@ -90,10 +90,17 @@ def shadow(spec: PipelineSpec, model: str, artifact: Path | str, sample: float) 
             if isinstance(cause, RiskServeError):
                 raise ModelLoadError(f"candidate refused: {cause}") from error
             raise
-        publish_artifacts(spec, {}, shadows={**_config(spec), model: settings.model_dump()})
+        publish_artifacts(
+            spec, {}, build=build_application, shadows={**_config(spec), model: settings.model_dump()}
+        )
         refused = [f.error for f in _figures(spec) if f.model == model and f.error]
         if refused:
-            publish_artifacts(spec, {}, shadows={m: s for m, s in _config(spec).items() if m != model})
+            publish_artifacts(
+                spec,
+                {},
+                build=build_application,
+                shadows={m: s for m, s in _config(spec).items() if m != model},
+            )
             raise ModelLoadError(f"the ingress refused the shadow: {refused[0]}")
     return report
 
@@ -108,7 +115,9 @@ def stop(spec: PipelineSpec, model: str) -> None:
         config = _config(spec)
         if model not in config:
             raise NotFound(f"{spec.name}/{model} has no shadow")
-        publish_artifacts(spec, {}, shadows={m: s for m, s in config.items() if m != model})
+        publish_artifacts(
+            spec, {}, build=build_application, shadows={m: s for m, s in config.items() if m != model}
+        )
 
 
 def promote(spec: PipelineSpec, model: str) -> SwapResult:

@@ -33,6 +33,7 @@ __all__ = [
     "SwapResult",
     "admit_candidate",
     "artifact_overrides",
+    "build_application",
     "exclusive",
     "learning_status",
     "rollback",
@@ -169,10 +170,18 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
         )
 
 
+def build_application(spec: PipelineSpec, **options: Any) -> Any:
+    """:func:`riskserve.operations.app.build_application`, imported when first called: the operator commands
+    import Ray only after :func:`~riskserve.operations.local.connected` has set its loopback address."""
+    from riskserve.operations.app import build_application as build
+
+    return build(spec, **options)
+
+
 def _publish(spec: PipelineSpec, model: str, artifact: str, version: str, expected: str, old: str) -> None:
     """Publish a verified candidate through the pipeline's one publisher (see the module docstring)."""
     if spec.feedback is None:  # no learner: this process is the only publisher, under exclusive()
-        publish_checked(spec, model, artifact, version, old)
+        publish_checked(spec, model, artifact, version, old, build=build_application)
         return
     from ray import serve
 

@@ -11,11 +11,14 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
-from pydantic import BaseModel as _Schema
 
 from riskserve.features.spec import FeatureSpec
 from riskserve.platform.errors import ConfigError
 from riskserve.platform.tracing import TracingSettings
+from riskserve.schema.base import NAME as _NAME
+from riskserve.schema.base import Strict as _Strict
+from riskserve.schema.rules import DecisionEngine, DecisionSpec, Outcome, RuleScope, RuleSpec, rule_errors
+from riskserve.wrappers import backend
 
 __all__ = [
     "AuthSpec",
@@ -39,13 +42,6 @@ __all__ = [
     "load_pipeline",
     "parse_pipeline",
 ]
-
-_NAME = r"^[A-Za-z][A-Za-z0-9_-]*$"
-Outcome = Literal["APPROVE", "REVIEW", "DECLINE"]
-
-
-class _Strict(_Schema):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def _queue_limit(value: int) -> int:
@@ -253,30 +249,6 @@ class ModelSpec(_Strict):
         return self.kind == "vllm" or (
             self.kind == "fault_injection" and self.settings.get("inner_kind") == "vllm"
         )
-
-
-class RuleSpec(_Strict):
-    """A decision rule: a CEL condition, the outcome it asks for, and the reason given to the caller."""
-
-    name: str = Field(pattern=_NAME)
-    when: str = Field(min_length=1)
-    """CEL boolean over ``risk_score``, ``models.<name>.{score,label,fallback}``, ``features.<field>``."""
-    outcome: Outcome
-    reason: str = Field(min_length=1)
-
-
-class DecisionSpec(_Strict):
-    """How model outputs combine into one risk score, and the rules that turn it into an outcome.
-
-    Every rule is evaluated; the most severe outcome that matched wins (DECLINE > REVIEW > APPROVE) and the
-    reasons of all matched rules are returned in order.
-    """
-
-    risk_score: str = Field(min_length=1)
-    """CEL expression giving a double; clamped into [0, 1]."""
-    rules: list[RuleSpec] = Field(default_factory=list)
-    default: Outcome = "APPROVE"
-    default_reason: str = "no rule matched"
 
 
 class ReasonsSpec(_Strict):
@@ -517,6 +489,15 @@ class PipelineSpec(_Strict):
             update["auth"] = front.auth.model_copy(update={"tokens_file": tokens})
         return front.model_copy(update=update)
 
+    def rule_scope(self) -> RuleScope:
+        """What the decision rules see of this pipeline (see :class:`~riskserve.schema.rules.RuleScope`)."""
+        review = frozenset(name for name, m in self.models.items() if m.fallback.review)
+        return RuleScope(self.name, self.decision, self.features, tuple(self.models), review)
+
+    def decision_engine(self) -> DecisionEngine:
+        """The compiled decision: its CEL rules, and a REVIEW forced by the fallback of a model that asks."""
+        return DecisionEngine(self.rule_scope())
+
     def online_models(self) -> list[str]:
         """Models that learn from feedback."""
         return [name for name, model in self.models.items() if model.online is not None]
@@ -562,8 +543,6 @@ def _path(loc: tuple[int | str, ...]) -> str:
 
 
 def _reference_errors(spec: PipelineSpec) -> list[str]:
-    from riskserve.schema.rules import rule_errors
-    from riskserve.wrappers import backend
 
     errors: list[str] = []
     stage_pools = {
@@ -612,7 +591,7 @@ def _reference_errors(spec: PipelineSpec) -> list[str]:
             for item in error.errors():
                 errors.append(f"{where}.settings.{_path(item['loc'])}: {item['msg']}")
     errors += _reasons_errors(spec)
-    errors += rule_errors(spec)
+    errors += rule_errors(spec.rule_scope())
     return errors
 
 

@@ -12,13 +12,16 @@ import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
 import cel
 import numpy as np
+from pydantic import Field
 
 from riskserve.features.encoder import ValidRow
+from riskserve.features.spec import CategoricalField, FeatureSpec, NumericField
 from riskserve.platform.errors import ConfigError
+from riskserve.schema.base import NAME, Strict
 from riskserve.schema.batch_rules import (
     BatchInputs,
     CompiledExpression,
@@ -28,14 +31,62 @@ from riskserve.schema.batch_rules import (
     compile_expression,
 )
 
-if TYPE_CHECKING:
-    from riskserve.schema.pipeline import Outcome, PipelineSpec
+__all__ = [
+    "Decision",
+    "DecisionEngine",
+    "DecisionSpec",
+    "ModelResult",
+    "Outcome",
+    "RuleScope",
+    "RuleSpec",
+    "rule_errors",
+]
 
-__all__ = ["Decision", "DecisionEngine", "ModelResult", "rule_errors"]
+Outcome = Literal["APPROVE", "REVIEW", "DECLINE"]
 
 logger = logging.getLogger(__name__)
 
 _SEVERITY = {"APPROVE": 0, "REVIEW": 1, "DECLINE": 2}
+
+
+class RuleSpec(Strict):
+    """A decision rule: a CEL condition, the outcome it asks for, and the reason given to the caller."""
+
+    name: str = Field(pattern=NAME)
+    when: str = Field(min_length=1)
+    """CEL boolean over ``risk_score``, ``models.<name>.{score,label,fallback}``, ``features.<field>``."""
+    outcome: Outcome
+    reason: str = Field(min_length=1)
+
+
+class DecisionSpec(Strict):
+    """How model outputs combine into one risk score, and the rules that turn it into an outcome.
+
+    Every rule is evaluated; the most severe outcome that matched wins (DECLINE > REVIEW > APPROVE) and the
+    reasons of all matched rules are returned in order.
+    """
+
+    risk_score: str = Field(min_length=1)
+    """CEL expression giving a double; clamped into [0, 1]."""
+    rules: list[RuleSpec] = Field(default_factory=list)
+    default: Outcome = "APPROVE"
+    default_reason: str = "no rule matched"
+
+
+@dataclass(frozen=True)
+class RuleScope:
+    """What the rules of one pipeline see of it: its decision section, its features and its models.
+
+    Built by :meth:`riskserve.schema.pipeline.PipelineSpec.rule_scope`; the rules need no more of the
+    pipeline, so this module stays below the pipeline schema that checks its rules with it.
+    """
+
+    name: str
+    decision: DecisionSpec
+    features: FeatureSpec
+    models: tuple[str, ...]
+    review_on_fallback: frozenset[str]
+    """Models whose fallback forces a REVIEW (``fallback.review``)."""
 
 
 def _max(a: float, b: float) -> float:
@@ -151,7 +202,7 @@ def _context(
 class DecisionEngine:
     """Compiled decision: risk-score expression, rules, and the fallbacks that force a review."""
 
-    def __init__(self, spec: PipelineSpec) -> None:
+    def __init__(self, spec: RuleScope) -> None:
         decision = spec.decision
         try:
             self._score = cel.compile(decision.risk_score)
@@ -162,7 +213,7 @@ class DecisionEngine:
         self._rule_needs = _Needs.of([rule.when for rule in decision.rules])
         self._default = decision.default
         self._default_reason = decision.default_reason
-        self._review_on_fallback = {name for name, m in spec.models.items() if m.fallback.review}
+        self._review_on_fallback = set(spec.review_on_fallback)
         self._fallback_order = sorted(self._review_on_fallback)
         self._reasons = [f"{rule.name}: {rule.reason}" for rule in decision.rules]
         self._batch = _BatchProgram.build(spec)
@@ -237,7 +288,7 @@ class DecisionEngine:
             out.append(Decision(outcome=outcome, risk_score=risks[i], reasons=reasons))
         return out
 
-    def _batch_agrees(self, spec: PipelineSpec) -> bool:
+    def _batch_agrees(self, spec: RuleScope) -> bool:
         """Whether the compiled program decides sample rows exactly as CEL does, in a batch and one by one
         (at load, once)."""
         rows, per_model = _samples(spec, count=256)
@@ -337,10 +388,8 @@ class _BatchProgram:
     features: tuple[str, ...]
 
     @classmethod
-    def build(cls, spec: PipelineSpec) -> _BatchProgram | None:
+    def build(cls, spec: RuleScope) -> _BatchProgram | None:
         """The compiled program, or ``None`` when an expression is beyond the compiled subset."""
-        from riskserve.features.spec import NumericField
-
         numeric = [name for name, f in spec.features.fields.items() if isinstance(f, NumericField)]
         models = list(spec.models)
         decision = spec.decision
@@ -360,10 +409,8 @@ class _BatchProgram:
         return cls(score, rules, features)
 
 
-def _samples(spec: PipelineSpec, count: int) -> tuple[list[ValidRow], dict[str, list[ModelResult]]]:
+def _samples(spec: RuleScope, count: int) -> tuple[list[ValidRow], dict[str, list[ModelResult]]]:
     """Rows and model results that reach the edges: bounds, defaults, scores 0 and 1, fallbacks."""
-    from riskserve.features.spec import CategoricalField, NumericField
-
     chooser = random.Random(20261203)
     scores = [0.0, 1.0, 0.5, 0.3, 0.6, 0.25, 0.75, 0.1, 0.9]
     scores += [float(r) for r in (str(round(x, 3)) for x in np.linspace(0.0, 1.0, 41))]
@@ -413,9 +460,7 @@ def _clamp(value: float) -> float:
     return min(1.0, max(0.0, value))
 
 
-def _sample_row(spec: PipelineSpec) -> ValidRow:
-    from riskserve.features.spec import CategoricalField, NumericField
-
+def _sample_row(spec: RuleScope) -> ValidRow:
     numeric: dict[str, float] = {}
     categorical: dict[str, str] = {}
     for name, field in spec.features.fields.items():
@@ -426,7 +471,7 @@ def _sample_row(spec: PipelineSpec) -> ValidRow:
     return ValidRow(numeric=numeric, categorical=categorical, text="sample")
 
 
-def rule_errors(spec: PipelineSpec) -> list[str]:
+def rule_errors(spec: RuleScope) -> list[str]:
     """Compile every CEL expression and dry-run it on a sample request, so mistakes surface at load."""
     errors: list[str] = []
     row = _sample_row(spec)

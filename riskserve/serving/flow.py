@@ -23,7 +23,7 @@ from riskserve.platform.metrics import PipelineMetrics
 from riskserve.platform.tracing import SPAN_DECISION, inject, optional_span
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.schema.pipeline import PipelineSpec
-from riskserve.schema.rules import Decision, DecisionEngine, ModelResult
+from riskserve.schema.rules import Decision, ModelResult
 from riskserve.serving.guarded_call import GuardedModel
 from riskserve.serving.ids import new_ids
 from riskserve.serving.messages import decide_response, raw_request
@@ -62,7 +62,7 @@ class DecisionFlow:
         self.explainer = explainer
         self.shadows = shadows
         self.metrics = PipelineMetrics(spec.name)
-        self._engine = DecisionEngine(spec)
+        self._engine = spec.decision_engine()
         self._inline_rows = spec.serving.inline_rows
         self._any_in_process = any(m.spec.in_ingress for m in models.values())
 

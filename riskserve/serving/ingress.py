@@ -33,6 +33,7 @@ from riskserve.serving.model_lane import Lanes, LaneUse
 from riskserve.serving.reasons import ReasonExplainer
 from riskserve.serving.shadow import ShadowFigures, Shadows
 from riskserve.serving.tokens import Caller
+from riskserve.wrappers import backend
 
 __all__ = ["PipelineIngress"]
 
@@ -67,7 +68,8 @@ class PipelineIngress:
             if model.in_ingress:
                 settings = self._spec.runner_settings(name)
                 runner = ModelRunner(
-                    name, model.kind, settings, columns, self._spec.model_columns(name), placement="ingress"
+                    name, model.kind, settings, columns, self._spec.model_columns(name), backends=backend,
+                    placement="ingress",
                 )  # fmt: skip
                 self._runners[name] = runner
                 endpoint: Any = LocalEndpoint(runner, serving.inline_rows)

@@ -35,13 +35,13 @@ from ray import serve
 from ray.experimental import internal_kv
 
 from riskserve.platform.errors import InvalidInput, ModelUnavailable, Overloaded
-from riskserve.platform.replica import ModelReplica
 from riskserve.platform.runner import ModelAnswer
 from riskserve.platform.validation import FeatureMatrix
 from riskserve.proto.riskserve.internal.v1 import model_lane_pb2 as lane_pb
 from riskserve.proto.riskserve.internal.v1 import model_lane_pb2_grpc as lane_grpc
 from riskserve.serving.frontdoor import Admission
 from riskserve.serving.grpc_status import status_of
+from riskserve.serving.model_replica import ModelReplica
 
 __all__ = ["LaneAddress", "LaneDown", "LaneUse", "LanedModelReplica", "Lanes"]
 

@@ -39,6 +39,7 @@ from riskserve.platform.metrics import ShadowMetrics
 from riskserve.platform.runner import ModelRunner
 from riskserve.schema.pipeline import PipelineSpec
 from riskserve.schema.rules import Decision, DecisionEngine, ModelResult
+from riskserve.wrappers import backend
 
 __all__ = ["IdleGate", "ShadowComparison", "ShadowFigures", "ShadowModel", "ShadowSettings", "Shadows"]
 
@@ -380,7 +381,7 @@ class Shadows:
     def __init__(self, spec: PipelineSpec, runners: Mapping[str, ModelRunner]) -> None:
         self._spec = spec
         self._runners = runners
-        self._engine = DecisionEngine(spec)
+        self._engine = spec.decision_engine()
         self.gate = IdleGate()
         """The flow enters and leaves it around every decision call; the shadows wait for it to be idle."""
         self.active: dict[str, ShadowModel] = {}
@@ -424,7 +425,7 @@ class Shadows:
         spec = self._spec.models[model]
         candidate = ModelRunner(
             f"{model}-shadow", spec.kind, dict(spec.settings), self._spec.features.column_names(),
-            self._spec.model_columns(model), placement="ingress",
+            self._spec.model_columns(model), backends=backend, placement="ingress",
         )  # fmt: skip
         await candidate.serve(settings.artifact)
         metrics = ShadowMetrics(self._spec.name, model, report.version)

@@ -28,6 +28,7 @@ from riskserve.platform.tracing import (
     start_span,
 )
 from riskserve.platform.validation import FeatureMatrix
+from riskserve.wrappers import backend
 
 __all__ = ["InputInfo", "ModelReplica", "SharedMatrix"]
 
@@ -59,7 +60,9 @@ class ModelReplica:
         """``columns``: the shared matrix's; ``declared``: what the pipeline says the model reads;
         ``batching``: ``{max_batch_size, max_wait_ms}`` to batch concurrent text calls."""
         configure_tracing(TracingSettings.model_validate(tracing or {}))
-        self._runner = ModelRunner(name, kind, settings, columns, declared, placement="deployment")
+        self._runner = ModelRunner(
+            name, kind, settings, columns, declared, backends=backend, placement="deployment"
+        )
         self._inputs: OrderedDict[str, InputSeen] = OrderedDict()
         self._batching = batching
         if batching is not None:
