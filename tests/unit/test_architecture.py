@@ -121,8 +121,8 @@ def layer_violations(imports: list[Import]) -> list[str]:
                 f"{found}: package '{source}' has no layer in ARCHITECTURE.md (add it to ALLOWED)"
             )
         elif target not in allowed:
-            may = ", ".join(sorted(allowed)) or "nothing of riskserve"
-            problems.append(f"{found}: '{source}' may import only {may}")
+            may = f"only {', '.join(sorted(allowed))}" if allowed else "nothing of riskserve"
+            problems.append(f"{found}: '{source}' may import {may}")
     return problems
 
 
@@ -216,7 +216,7 @@ def test_the_checks_catch_a_lazy_upward_import_and_a_type_checking_circle() -> N
     imports = list(imports_of(_SYNTHETIC))
     assert layer_violations(imports) == [
         "riskserve.platform.host (line 2) imports riskserve.wrappers.thing: "
-        "'platform' may import only nothing of riskserve"
+        "'platform' may import nothing of riskserve"
     ]
     found = circles(imports)
     modules = sorted({step.module for cycle in found for step in cycle})
