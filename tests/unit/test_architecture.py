@@ -231,3 +231,21 @@ def test_real_modules_are_read(module: str) -> None:
     """The walk sees the real tree (a wrong root would make every check above pass vacuously)."""
     imports = [found for found in imports_of(read_sources()) if found.module == module]
     assert imports, f"no riskserve imports found in {module}"
+
+
+def test_the_schema_loads_and_checks_a_pipeline_without_importing_ray() -> None:
+    """What a pipeline is stays pure data and checks: loading the shipped YAMLs imports no Ray."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; from riskserve.schema.pipeline import load_pipeline; "
+        "from riskserve.schema.pools import check_pools; "
+        "specs = [load_pipeline(p) for p in sorted(Path('deploy/pipelines').glob('*.yaml'))]; "
+        "check_pools(specs); print(len(specs), 'ray' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+        cwd=ROOT.parent,
+    )  # fmt: skip
+    assert done.stdout.split() == ["2", "False"]
