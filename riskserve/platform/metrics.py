@@ -78,7 +78,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -433,6 +433,7 @@ class _Registry:
         self._flusher: threading.Thread | None = None
         self._flush_lock = threading.Lock()
         self._flush_failed = False
+        self._recorders: dict[tuple[str, _Tags], Callable[[float], None]] = {}
 
     def _metric(self, spec: MetricSpec) -> Any:
         metric = self._metrics.get(spec.name)
@@ -527,11 +528,47 @@ class _Registry:
                 for (spec, tags), total in sums.items():
                     metrics[spec.name].inc(total, tags=dict(tags))
                 for spec, tags, value in observed:
-                    metrics[spec.name].observe(value, tags=dict(tags))
+                    record = self._recorder(spec, tags, metrics[spec.name])
+                    if record is not None:
+                        record(value)
             except Exception:
                 if not self._flush_failed:
                     self._flush_failed = True
                     logger.exception("riskserve metrics: handing records to Ray failed")
+
+    def _recorder(self, spec: MetricSpec, tags: _Tags, metric: Any) -> Callable[[float], None] | None:
+        """The cheapest call that records one observation of a histogram series (flusher thread only).
+
+        Ray's ``observe`` merges and checks the series' tags and looks up Serve's request context on every
+        call: a third of the flusher's time under load, for tags that never change. Each observation
+        calls the recorder Ray's own ``observe`` ends in, with the tags Ray computes for the series
+        (Serve's replica tags included), checked once here.
+        ``None``: Ray discards the metric (an invalid name).
+        """
+        key = (spec.name, tags)
+        cached = self._recorders.get(key)
+        if cached is not None:
+            return cached
+        native = getattr(metric, "_metric", None)
+        final = getattr(metric, "_get_final_tags", None)
+        if getattr(metric, "_discard_metric", False):
+            return None
+        if native is None or final is None or not hasattr(native, "record"):  # another Ray: the public API
+
+            def public(value: float) -> None:
+                metric.observe(value, tags=dict(tags))
+
+            recorder: Callable[[float], None] = public
+        else:
+            merged = dict(final(dict(tags)))
+            metric._validate_tags(merged)  # raises as observe would, once
+
+            def direct(value: float) -> None:
+                native.record(value, tags=merged)
+
+            recorder = direct
+        self._recorders[key] = recorder
+        return recorder
 
     def set_gauge(self, spec: MetricSpec, tags: Mapping[str, str], value: float, keep: bool = True) -> None:
         """Set a gauge series; ``keep``: re-send it until :meth:`forget` (else it ages out of Ray's agent)."""
