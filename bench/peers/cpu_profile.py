@@ -33,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench._procs import descendants
 from bench.hotpath import Running, loadgen, log, settle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,13 +50,57 @@ def py_spy() -> str:
     return found
 
 
-def record(pid: int, seconds: float, out: Path, fmt: str) -> None:
+def record(pid: int, seconds: float, out: Path, fmt: str, children: bool = True) -> None:
     """``py-spy record`` of ``pid`` and its subprocesses for ``seconds`` into ``out`` (flamegraph or raw)."""
-    command = [py_spy(), "record", "--nonblocking", "--subprocesses", "-p", str(pid)]
+    command = [py_spy(), "record", "--nonblocking", *(["--subprocesses"] if children else []), "-p", str(pid)]
     command += ["-r", str(RATE_HZ), "-d", str(int(seconds)), "-o", str(out), "--format", fmt]
     done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60)
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"py-spy failed ({done.returncode}): {done.stderr[-2000:]}")
+
+
+def ray_actors(root: int) -> dict[str, int]:
+    """Role -> pid of the Ray actors in ``root``'s tree (Serve's replicas, proxy and controller): sampled one
+    by one, because ``--subprocesses`` under a raylet caught only a few samples of an LLM replica."""
+    out: dict[str, int] = {}
+    for pid in descendants(root):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if command.startswith("ray::"):
+            role = re.sub(r"[^A-Za-z0-9_.-]+", "-", command.removeprefix("ray::")).strip("-")[:60]
+            out[role if role not in out else f"{role}-{pid}"] = pid
+    return out
+
+
+def record_each(actors: dict[str, int], seconds: float, out_dir: Path, stem: str) -> Path:
+    """Flame graphs of every actor at once (``STEM-ROLE.svg``), then collapsed stacks of every actor at
+    once, merged into ``STEM.raw.txt`` with the role as each stack's first frame."""
+    for fmt in ("flamegraph", "raw"):
+        outputs = {
+            role: out_dir / (f"{stem}-{role}.svg" if fmt == "flamegraph" else f".{stem}-{role}.raw")
+            for role in actors
+        }
+        threads = [
+            threading.Thread(
+                target=record, args=(pid, seconds, outputs[role], fmt), kwargs={"children": False}
+            )
+            for role, pid in actors.items()
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    merged = out_dir / f"{stem}.raw.txt"
+    with merged.open("w") as sink:
+        for role in actors:
+            part = out_dir / f".{stem}-{role}.raw"
+            if part.exists():
+                for line in part.read_text(errors="replace").splitlines():
+                    sink.write(f'process 0:"{role}";{line}\n')
+                part.unlink()
+    return merged
 
 
 def _package(frame: str) -> str:
@@ -76,6 +121,13 @@ def _package(frame: str) -> str:
     return head.removesuffix(".py") or path
 
 
+def _process_name(frame: str) -> str:
+    """``process PID:"COMMAND LINE"`` as the command line's first words (no pid: one name per role)."""
+    match = re.match(r'^process \d+:"(?P<command>.*)"$', frame, re.DOTALL)
+    command = " ".join((match["command"] if match else frame).split())
+    return command[:100] or "?"
+
+
 def summarize(raw: Path, top: int = 12) -> dict[str, Any]:
     """Shares of the collapsed stacks in ``raw``: by process, by leaf package, top self and inclusive."""
     processes: Counter[str] = Counter()
@@ -83,20 +135,22 @@ def summarize(raw: Path, top: int = 12) -> dict[str, Any]:
     leaf: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     total = 0
+    pending: list[str] = []
     for line in raw.read_text(errors="replace").splitlines():
-        stack, _, count_text = line.rpartition(" ")
+        pending.append(line)  # a process frame holds its command line, which may span lines
+        stack, _, count_text = "\n".join(pending).rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
+        pending = []
         count = int(count_text)
         frames = stack.split(";")
-        process = frames[0] if frames[0].startswith("process ") else "process"
-        if frames[0].startswith("process "):
-            frames = frames[1:]
-        frames = [f for f in frames if not f.startswith("thread ")]
+        # With --subprocesses every ancestor process is a frame too: the innermost one ran the stack.
+        owners = [f for f in frames if f.startswith("process ")]
+        frames = [f for f in frames if not f.startswith(("process ", "thread "))]
         if not frames:
             continue
         total += count
-        processes[process[:120]] += count
+        processes[_process_name(owners[-1] if owners else "")] += count
         packages[_package(frames[-1])] += count
         leaf[frames[-1]] += count
         for frame in set(frames):
@@ -127,8 +181,11 @@ def _text(name: str, summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_system(system: Running, seconds: float, out_dir: Path, stem: str) -> dict[str, Any]:
-    """Warm up, then flame graph and collapsed stacks under c=8, each over ``seconds``."""
+def profile_system(
+    system: Running, seconds: float, out_dir: Path, stem: str, each: bool = False
+) -> dict[str, Any]:
+    """Warm up, then flame graph and collapsed stacks under c=8, each over ``seconds`` (``each``: every Ray
+    actor of the tree on its own, see :func:`ray_actors`)."""
     waited = settle(system, patience_s=45.0)
     log(f"{system.name}: idle after {waited:.0f} s; warm-up")
     loadgen(system, "closed", ["-c8", "--calls=300", "--seconds=60", "--warmup=0"], bound_s=130.0)
@@ -138,6 +195,9 @@ def profile_system(system: Running, seconds: float, out_dir: Path, stem: str) ->
     def sample() -> None:
         try:
             time.sleep(1.0)  # past the window's first calls
+            if each:
+                record_each(ray_actors(system.root_pid), seconds, out_dir, stem)
+                return
             record(system.root_pid, seconds, svg, "flamegraph")
             record(system.root_pid, seconds, raw, "raw")
         except (RuntimeError, OSError, subprocess.SubprocessError) as error:
@@ -157,7 +217,6 @@ def profile_system(system: Running, seconds: float, out_dir: Path, stem: str) ->
         "wrong": result["wrong"],
     }
     (out_dir / f"{stem}.txt").write_text(_text(stem, summary))
-    raw.unlink()
     log(f"{system.name}: {summary['samples']} samples; by package {summary['by_package_self'][:5]}")
     return summary
 
@@ -194,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if "--expect" not in system.client:
                     system.client = (*system.client, "--expect", str(expect))
                 try:
-                    summaries[stem] = profile_system(system, args.seconds, args.out, stem)
+                    each = name in ("riskserve", "ray_serve")  # a Ray cluster: each actor apart
+                    summaries[stem] = profile_system(system, args.seconds, args.out, stem, each)
                 finally:
                     system.stop()
             except (RuntimeError, OSError, subprocess.SubprocessError, KeyError) as error:
