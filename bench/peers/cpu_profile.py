@@ -217,6 +217,7 @@ def profile_system(
         "wrong": result["wrong"],
     }
     (out_dir / f"{stem}.txt").write_text(_text(stem, summary))
+    raw.unlink()  # the summary and the flame graphs are kept; the raw stacks hold every command line
     log(f"{system.name}: {summary['samples']} samples; by package {summary['by_package_self'][:5]}")
     return summary
 
