@@ -14,15 +14,15 @@ from bench.loadgen import Tally, read_expected
 from bench.peers.card_fraud import FALLBACK_INTENT, IntentPrompt, decide, intent_from_logprobs
 from riskserve.features.encoder import ValidRow
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as rpb
-from riskserve.schema.rules import DecisionEngine, ModelResult
 from riskserve.schema.pipeline import load_pipeline
+from riskserve.schema.rules import DecisionEngine, ModelResult
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = ROOT / "deploy" / "pipelines" / "card_fraud.yaml"
 
 
 def test_hand_written_rules_equal_riskserve_decision_engine() -> None:
-    engine = DecisionEngine(load_pipeline(PIPELINE))
+    engine = DecisionEngine(load_pipeline(PIPELINE).rule_scope())
     rng = np.random.default_rng(11)
     labels = ["purchase", "gift", "refund", "account", "urgent", "unknown"]
     outcomes = set()
