@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench._procs import descendants
+from bench._procs import TreeSample, descendants, sample_tree
 from bench.hotpath import Running, loadgen, log, settle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,6 +103,24 @@ def record_each(actors: dict[str, int], seconds: float, out_dir: Path, stem: str
     return merged
 
 
+def _command(pid: int) -> str:
+    """A process's name for the report: its ``ray::`` name, else its command line's first words."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return f"pid {pid} (exited)"
+    text = " ".join(w.decode(errors="replace") for w in words if w)
+    return text if text.startswith("ray::") else text[:100]
+
+
+def cpu_by_process(before: TreeSample, after: TreeSample, seconds: float) -> list[tuple[str, float]]:
+    """Cores each process of the tree kept busy between two ``/proc`` samples, busiest first (exact, not
+    sampled: a check on py-spy, which can miss samples of a busy process)."""
+    used = {key: cpu - before.cpu_s.get(key, 0.0) for key, cpu in after.cpu_s.items()}
+    named = [(f"{_command(pid)} [{pid}]", round(cpu / seconds, 3)) for (pid, _), cpu in used.items()]
+    return sorted((n for n in named if n[1] >= 0.005), key=lambda n: -n[1])
+
+
 def _package(frame: str) -> str:
     """The package a frame's file belongs to (``grpc``, ``asyncio``, ``vllm``, ``riskserve``, ...)."""
     match = _FRAME.match(frame)
@@ -170,8 +188,10 @@ def summarize(raw: Path, top: int = 12) -> dict[str, Any]:
 
 def _text(name: str, summary: dict[str, Any]) -> str:
     lines = [f"{name}: {summary['samples']} samples at {RATE_HZ} Hz (busy threads only)"]
+    lines.append("\ncores busy by process, from /proc over both recordings:")
+    lines += [f"  {cores:5.2f}  {what}" for what, cores in summary.get("cores_by_process", [])]
     for key, title in (
-        ("by_process", "by process"),
+        ("by_process", "by process (py-spy samples)"),
         ("by_package_self", "by package of the innermost frame (self)"),
         ("top_self", "top functions, self"),
         ("top_inclusive", "top functions, inclusive"),
@@ -192,14 +212,18 @@ def profile_system(
     svg, raw = out_dir / f"{stem}.svg", out_dir / f"{stem}.raw.txt"
     failures: list[BaseException] = []
 
+    cpu: dict[str, Any] = {}
+
     def sample() -> None:
         try:
             time.sleep(1.0)  # past the window's first calls
+            cpu["before"], cpu["t0"] = sample_tree(system.root_pid), time.perf_counter()
             if each:
                 record_each(ray_actors(system.root_pid), seconds, out_dir, stem)
-                return
-            record(system.root_pid, seconds, svg, "flamegraph")
-            record(system.root_pid, seconds, raw, "raw")
+            else:
+                record(system.root_pid, seconds, svg, "flamegraph")
+                record(system.root_pid, seconds, raw, "raw")
+            cpu["after"], cpu["t1"] = sample_tree(system.root_pid), time.perf_counter()
         except (RuntimeError, OSError, subprocess.SubprocessError) as error:
             failures.append(error)
 
@@ -211,6 +235,7 @@ def profile_system(
     if failures:
         raise RuntimeError(str(failures[0]))
     summary = summarize(raw) | {
+        "cores_by_process": cpu_by_process(cpu["before"], cpu["after"], cpu["t1"] - cpu["t0"]),
         "decisions_per_s": result["decisions_per_s"],
         "p50_ms": result["latency_ms"]["p50"],
         "errors": result["error_count"],
