@@ -109,7 +109,7 @@ def _command(pid: int) -> str:
         words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return f"pid {pid} (exited)"
-    text = " ".join(w.decode(errors="replace") for w in words if w)
+    text = " ".join(" ".join(w.decode(errors="replace") for w in words if w).split())
     return text if text.startswith("ray::") else text[:100]
 
 
