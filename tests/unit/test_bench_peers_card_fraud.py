@@ -26,7 +26,7 @@ def test_hand_written_rules_equal_riskserve_decision_engine() -> None:
     rng = np.random.default_rng(11)
     labels = ["purchase", "gift", "refund", "account", "urgent", "unknown"]
     outcomes = set()
-    for i in range(2000):
+    for i in range(800):
         numeric = {
             "amount": float(rng.choice([10.0, 499.0, 500.0, 2500.0])),
             "device_change": float(rng.integers(0, 2)),
