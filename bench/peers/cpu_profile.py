@@ -6,8 +6,11 @@ every Python process of its tree (``--subprocesses``, ``--nonblocking``: the ser
 ``--seconds``, twice: once as a flame graph (``OUT/WORKLOAD-SYSTEM.svg``) and once as collapsed stacks,
 which are summarised in ``OUT/WORKLOAD-SYSTEM.txt`` and ``OUT/summary.json``: the share of samples by
 process, by the package of the innermost frame (where the time is spent itself), and the top functions
-by self and by inclusive share. py-spy counts only threads that are running (not idle ones), so the
-shares are of busy CPU; time in native code shows as the Python frame that called it.
+by self and by inclusive share, beside the cores each process kept busy (from ``/proc``). Ray systems
+(riskserve, plain Ray Serve) are sampled actor by actor (``OUT/WORKLOAD-SYSTEM-ROLE.svg``): under a
+raylet, ``--subprocesses`` caught only a few samples of riskserve's LLM replica. py-spy counts only
+threads that are running (not idle ones), so the shares are of busy CPU; time in native code shows as
+the Python frame that called it.
 
 Run (heavy: through ``/work/heavy``): ``PYTHONPATH=. .venv/bin/python bench/peers/cpu_profile.py --workload
 tabular_only --systems floor,riskserve``. Needs ``py-spy`` in the venv (``.venv/bin/pip install py-spy``).
