@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 MODELS ?= models
 STAMP := $(VENV)/.riskserve-installed
 
-.PHONY: setup models demo test lint typecheck unit bench bench-peers clean
+.PHONY: setup models demo test lint typecheck unit reliability bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,11 @@ typecheck: setup
 
 test: lint typecheck
 	$(BIN)/pytest
+
+# The fault drills and the soak against a real `riskserve up`, each with a reconciling client (RELIABILITY.md);
+# about 15 minutes, not in `make test` (which runs their short version). RISKSERVE_SOAK_S=300 shortens the soak.
+reliability: setup
+	$(BIN)/pytest -m reliability tests/reliability
 
 # riskserve against a hand-written grpc.aio server with the same models, in one run (BENCHMARKS.md).
 bench: models

@@ -3,7 +3,9 @@
 A Decide must not wait for an fsync, so each ingress replica keeps the decisions it made in a bounded
 buffer and sends them to the feedback service every ``flush_ms`` (one SQLite commit per send). A send that
 fails (the service is restarting) is retried with the records kept; past ``buffer_rows`` the oldest are
-dropped and counted. ``Feedback`` flushes first, so a label sent right after its decision finds it.
+dropped and counted. ``Feedback`` flushes first, so a label sent right after its decision finds it. With a
+:class:`~riskserve.learning.journal.DecisionJournal`, what is buffered is also journaled to local disk, so
+a replica killed with decisions unsent loses none: another replica adopts and sends them.
 """
 
 from __future__ import annotations
@@ -11,15 +13,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from riskserve.learning.feedback_log import DecisionRecord
+from riskserve.learning.journal import DecisionJournal
 
 __all__ = ["DecisionRecorder"]
 
 logger = logging.getLogger(__name__)
 RETRY_S = 0.5
+ADOPT_EVERY_S = 5.0
+"""How often the journals of dead replicas are looked for (a ``listdir``)."""
 
 
 class DecisionRecorder:
@@ -32,8 +38,10 @@ class DecisionRecorder:
         flush_s: float,
         max_rows: int,
         on_drop: Callable[[int], None] = lambda n: None,
+        journal: DecisionJournal | None = None,
     ) -> None:
         self._send = send
+        self._journal = journal
         self._flush_s = flush_s
         self._max_rows = max_rows
         self._on_drop = on_drop
@@ -45,6 +53,8 @@ class DecisionRecorder:
 
     def add(self, records: list[DecisionRecord]) -> None:
         """Buffer decisions (called on the event loop); the flusher starts with the first one."""
+        if self._journal is not None:
+            self._journal.append(records)
         self._buffer.extend(records)
         overflow = len(self._buffer) - self._max_rows
         if overflow > 0:
@@ -66,16 +76,39 @@ class DecisionRecorder:
             self._lock = asyncio.Lock()
         async with self._lock:
             while self._buffer:
+                covered = self._journal.rotate() if self._journal is not None else []
                 batch = list(self._buffer)
                 await self._send(batch)
                 for _ in batch:  # only what was sent: records added meanwhile stay
                     self._buffer.popleft()
                 self.sent += len(batch)
+                if self._journal is not None:
+                    self._journal.forget(covered)
+
+    def adopt(self) -> int:
+        """Buffer the decisions of dead replicas' journals (sent with the next flush); returns how many."""
+        if self._journal is None:
+            return 0
+        records = self._journal.adopt()
+        if records:
+            self._buffer.extend(records)
+            if self._task is None or self._task.done():
+                self._task = asyncio.get_running_loop().create_task(self._run())
+        return len(records)
+
+    @property
+    def recovered(self) -> int:
+        """Decisions adopted from the journals of replicas that died."""
+        return self._journal.recovered if self._journal is not None else 0
 
     async def _run(self) -> None:
+        adopted_at = time.monotonic()
         while True:
             await asyncio.sleep(self._flush_s)
             try:
+                if self._journal is not None and time.monotonic() - adopted_at >= ADOPT_EVERY_S:
+                    adopted_at = time.monotonic()
+                    self.adopt()
                 await self.flush()
             except asyncio.CancelledError:
                 raise

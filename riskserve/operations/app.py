@@ -99,6 +99,8 @@ def _stage(
         max_ongoing_requests=stage.max_ongoing_requests,
         max_queued_requests=stage.max_queued_requests,
         ray_actor_options=actor_options(spec, spec.stage_pool(stage), cpus),
+        health_check_period_s=stage.health_check_period_s,
+        health_check_timeout_s=stage.health_check_timeout_s,
     )
 
 
@@ -143,8 +145,8 @@ def build_application(
             max_ongoing_requests=max_ongoing,
             max_queued_requests=model.max_queued_requests,
             ray_actor_options=actor_options(spec, model.pool, model.num_cpus, model.num_gpus),
-            # vLLM loads its engine in the constructor; give slow starts room before Serve gives up.
-            health_check_timeout_s=60,
+            health_check_period_s=model.health_check_period_s,
+            health_check_timeout_s=model.health_check_timeout,
         )
         artifact = (artifacts or {}).get(name) or data["models"][name]["artifact"]
         columns = None if model.reads_text else matrix_columns

@@ -51,6 +51,8 @@ def _queue_limit(value: int) -> int:
 
 
 QueueLimit = Annotated[int, AfterValidator(_queue_limit)]
+DEFAULT_HEALTH_CHECK_TIMEOUT_S = 3.0
+"""Serve's health check timeout for riskserve's replicas (Serve's own default is 30 s)."""
 
 
 class PoolSpec(_Strict):
@@ -229,6 +231,11 @@ class ModelSpec(_Strict):
     """Requests waiting for a replica before the call is refused (-1: unbounded); a refused model call
     gets the fallback (reason OVERLOADED)."""
     breaker: BreakerSpec = BreakerSpec()
+    health_check_period_s: float = Field(default=1.0, gt=0, le=600)
+    """How often Serve asks each replica whether it is healthy (see :class:`StageSpec`)."""
+    health_check_timeout_s: float | None = Field(default=None, gt=0, le=600)
+    """A check unanswered this long fails; three failures in a row and Serve replaces the replica (a hung
+    process too). Default 3 s, 10 s for an LLM (its engine shares the replica's CPU)."""
     online: OnlineLearningSpec | None = None
     """Learn from the pipeline's feedback (scikit-learn models; needs the pipeline's ``feedback``)."""
     placement: Placement | None = None
@@ -242,6 +249,13 @@ class ModelSpec(_Strict):
     def in_ingress(self) -> bool:
         """Whether the model runs inside the ingress replicas (its placement, or its kind's default)."""
         return (self.placement or _DEFAULT_PLACEMENT[self.kind]) == "ingress"
+
+    @property
+    def health_check_timeout(self) -> float:
+        """The health check timeout, or its default for this kind of model."""
+        if self.health_check_timeout_s is not None:
+            return self.health_check_timeout_s
+        return 10.0 if self.reads_text else DEFAULT_HEALTH_CHECK_TIMEOUT_S
 
     @property
     def reads_text(self) -> bool:
@@ -288,6 +302,12 @@ class StageSpec(_Strict):
     replicas: int = Field(default=1, ge=1, le=64)
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: QueueLimit = 256
+    health_check_period_s: float = Field(default=1.0, gt=0, le=600)
+    """How often Serve asks each replica whether it is healthy."""
+    health_check_timeout_s: float = Field(default=DEFAULT_HEALTH_CHECK_TIMEOUT_S, gt=0, le=600)
+    """A check unanswered this long fails; after three failures in a row Serve kills the replica and
+    starts another, so a hung replica (a stopped or deadlocked process) is replaced within about
+    ``3 * (period + timeout)`` (Serve's defaults, 10 s and 30 s, took two minutes)."""
 
 
 class TlsSpec(_Strict):
@@ -348,9 +368,22 @@ class FrontDoorSpec(_Strict):
     max_features: int = Field(default=256, ge=1, le=100_000)
     """Most numeric plus categorical entries in one request (each name and value at most
     ``max_text_chars``)."""
-    max_concurrent_streams: int = Field(default=100, ge=1, le=10_000)
-    """Calls in flight on one HTTP/2 connection (``grpc.max_concurrent_streams``); more wait in the client
-    or are refused with UNAVAILABLE (HTTP/2 REFUSED_STREAM, safe to retry: nothing ran)."""
+    max_concurrent_calls: int = Field(default=128, ge=1, le=100_000)
+    """Calls in progress in one ingress replica, every method and connection together (health ``Watch``
+    streams count while open); one more is refused at once with RESOURCE_EXHAUSTED ("Concurrent RPC limit
+    exceeded!", by grpc before any handler runs: microseconds, nothing ran), so an overload is a prompt,
+    retryable refusal instead of a queue that outgrows its callers' deadlines. The admission limit of
+    decisions (``serving.ingress`` ``max_ongoing_requests`` + ``max_queued_requests``) applies within it."""
+    max_loop_lag_ms: float = Field(default=250, ge=0, le=60_000)
+    """Overload shedding: while an ingress replica's event loop runs more than this behind (two probes 50 ms
+    apart in a row, so one moment without a CPU is not an overload), it refuses new decisions at once with
+    RESOURCE_EXHAUSTED instead of letting them wait out their deadlines in front of it (0: off). A refusal
+    costs a fraction of a decision, so past capacity the replica keeps deciding at about its capacity and
+    refuses the rest promptly."""
+    max_concurrent_streams: int = Field(default=256, ge=1, le=10_000)
+    """Calls in flight on one HTTP/2 connection (``grpc.max_concurrent_streams``), the last line behind
+    ``max_concurrent_calls``; more wait in the client or are refused with UNAVAILABLE (HTTP/2
+    REFUSED_STREAM, safe to retry: nothing ran)."""
     max_watch_streams_per_client: int = Field(default=4, ge=1, le=1000)
     """Open health ``Watch`` streams per client address; more get RESOURCE_EXHAUSTED."""
     max_connection_idle_s: float = Field(default=300, gt=0, le=86_400)

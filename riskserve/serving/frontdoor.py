@@ -93,15 +93,38 @@ def _metadata(context: Any) -> dict[str, str]:
     return out
 
 
+LAG_PROBE_S = 0.05
+"""How often the event loop's lag is measured (a sleep of this long, and how late it wakes)."""
+
+
 class Admission:
     """The ingress's ``max_ongoing_requests`` / ``max_queued_requests`` applied to the front door's decisions:
     up to ``ongoing`` run at once, up to ``queued`` more wait (within their deadline), the rest are refused
-    at once with RESOURCE_EXHAUSTED (``queued`` -1: unbounded)."""
+    at once with RESOURCE_EXHAUSTED (``queued`` -1: unbounded).
 
-    def __init__(self, ongoing: int, queued: int) -> None:
+    With ``max_lag_s`` (and :meth:`watch_lag` running), a decision is also refused at once while the event
+    loop runs more than that behind: past its capacity a replica's calls queue in front of the loop,
+    where no count sees them, until their deadlines pass; refusing costs a fraction of deciding, so the
+    queue drains and the refusals stay prompt."""
+
+    def __init__(self, ongoing: int, queued: int, max_lag_s: float | None = None) -> None:
         self.ongoing, self.queued = ongoing, queued
         self._slots = asyncio.Semaphore(ongoing)
         self._admitted = 0
+        self.max_lag_s = max_lag_s
+        self.lag_s = 0.0
+        """How late the last two lag probes woke up, the lesser of the two (seconds): a sustained lag, not
+        one moment the process was not scheduled."""
+
+    async def watch_lag(self) -> None:
+        """Measure the event loop's lag forever (a task of the front door)."""
+        loop = asyncio.get_running_loop()
+        last = 0.0
+        while True:
+            asked = loop.time()
+            await asyncio.sleep(LAG_PROBE_S)
+            lag = max(loop.time() - asked - LAG_PROBE_S, 0.0)
+            self.lag_s, last = min(lag, last), lag
 
     def slot(self, deadline: float) -> _Slot:
         """A context manager that holds one of the ``ongoing`` slots while the decision runs.
@@ -130,6 +153,11 @@ class _Slot:
             raise Overloaded(
                 f"overloaded: {admission.ongoing} decisions running, {admission.queued} queued in this "
                 "ingress replica"
+            )
+        if admission.max_lag_s is not None and admission.lag_s > admission.max_lag_s:
+            raise Overloaded(
+                f"overloaded: this ingress replica runs {admission.lag_s * 1e3:.0f} ms behind "
+                f"(max_loop_lag_ms {admission.max_lag_s * 1e3:.0f}); retry with backoff"
             )
         admission._admitted += 1
         try:
@@ -190,10 +218,12 @@ class _Service(pb_grpc.RiskPipelineServicer):
                 ) from None
         return time.monotonic() + budget_s
 
-    def _failed(self, error: BaseException, span: Any, context: Any) -> None:
+    def _failed(self, error: BaseException, span: Any, context: Any, method: str = "") -> None:
         cause = getattr(error, "cause", error)
         if isinstance(cause, InvalidInput):
             self._pipeline.metrics.invalid(cause.field or "request")
+        elif isinstance(error, Overloaded) and method:  # the front door's own refusal (not a model's)
+            self._pipeline.metrics.refused(method, "RESOURCE_EXHAUSTED")
         if span is not None:
             mark_error(error, span)
         set_status(context, error)
@@ -226,7 +256,7 @@ class _Service(pb_grpc.RiskPipelineServicer):
                 async with self._admission.slot(deadline):
                     return await self._pipeline.decide(requests, current_trace_id(), deadline, traced)
             except Exception as error:  # every failure becomes its status, never UNKNOWN
-                self._failed(error, span, context)
+                self._failed(error, span, context, method)
                 return None
 
     async def Decide(self, request: pb.DecideRequest, context: Any) -> pb.DecideResponse:  # noqa: N802
@@ -293,6 +323,7 @@ class FrontDoor:
         )
         self._services = ("", SERVICE_NAME, pipeline.name)
         self._reloader: asyncio.Task[None] | None = None
+        self._lag_watcher: asyncio.Task[None] | None = None
         self.port = 0
 
     def _token_store(self) -> TokenStore | None:
@@ -334,7 +365,9 @@ class FrontDoor:
         if settings.tls is not None:
             tls = settings.tls
             credentials = server_credentials(tls.cert_file, tls.key_file, tls.client_ca_file)
-        server = grpc.aio.server(options=options, interceptors=interceptors)
+        server = grpc.aio.server(
+            options=options, interceptors=interceptors, maximum_concurrent_rpcs=settings.max_concurrent_calls
+        )
         servicer = _Service(self._pipeline, self._admission, settings)
         pb_grpc.add_RiskPipelineServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -355,6 +388,8 @@ class FrontDoor:
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
+        if self._admission.max_lag_s is not None:
+            self._lag_watcher = asyncio.get_running_loop().create_task(self._admission.watch_lag())
         if store is not None and settings.auth is not None and settings.auth.tokens_file is not None:
             every = settings.auth.reload_s
             self._reloader = asyncio.get_running_loop().create_task(self._reload_tokens(store, every))
@@ -381,9 +416,10 @@ class FrontDoor:
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, let calls in flight finish within ``grace_s``, stop."""
         server, self._server = self._server, None
-        if self._reloader is not None:
-            self._reloader.cancel()
-            self._reloader = None
+        for task in (self._reloader, self._lag_watcher):
+            if task is not None:
+                task.cancel()
+        self._reloader = self._lag_watcher = None
         if server is None:
             return
         await self._health.enter_graceful_shutdown()

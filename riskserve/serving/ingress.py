@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from riskserve.features.stage import FeatureStage
+from riskserve.learning.journal import DecisionJournal, journal_dir
 from riskserve.learning.recorder import DecisionRecorder
 from riskserve.platform.errors import InvalidInput, ModelUnavailable, NotFound, RiskServeError
 from riskserve.platform.metrics import PipelineMetrics
@@ -87,7 +88,9 @@ class PipelineIngress:
                 lambda records: feedback.record_decisions.remote(records),
                 flush_s=self._spec.feedback.flush_ms / 1e3,
                 max_rows=self._spec.feedback.buffer_rows,
+                journal=DecisionJournal(journal_dir(self._spec.feedback_log_path())),
             )
+            recorder.adopt()  # what replicas that died before this one had not sent yet
         local_stage = None
         if serving.feature_stage == "ingress":
             local_stage = FeatureStage(spec["features"], spec.get("tracing"), serving.matrix_retain_s)
@@ -109,7 +112,11 @@ class PipelineIngress:
         self._remote_ready = not self._remote
         self._remote_versions: dict[str, str] = {}
         """Each remote model's serving version as of the last health probe (``Describe`` answers from it)."""
-        admission = Admission(serving.ingress.max_ongoing_requests, serving.ingress.max_queued_requests)
+        admission = Admission(
+            serving.ingress.max_ongoing_requests,
+            serving.ingress.max_queued_requests,
+            max_lag_s=serving.grpc.max_loop_lag_ms / 1e3 if serving.grpc.max_loop_lag_ms else None,
+        )
         self._front_door = FrontDoor(self, serving.grpc, admission)
         self._refresher: asyncio.Task[None] | None = None
         if not self._runners:  # nothing to load first: serve now (reconfigure may never come)
@@ -172,23 +179,29 @@ class PipelineIngress:
             await asyncio.sleep(HEALTH_REFRESH_S)
 
     async def _probe_remote(self) -> None:
+        """Each remote model is ready when a replica says so through its handle, or when one of its lanes
+        on this node answers its health check (a lane is announced only once its model is ready): a hung
+        replica the handle happens to pick must not make the whole pipeline NOT_SERVING."""
         if not self._remote:
             return
+        alive: dict[str, int] = {}
         for name, lanes in self._lanes.items():
             try:
                 await lanes.refresh()
+                alive[name] = await lanes.probe()
             except Exception:
                 logger.warning("could not refresh the lanes of model '%s'", name, exc_info=True)
-        try:
-            statuses = await asyncio.wait_for(
-                asyncio.gather(*(handle.metadata.remote() for handle in self._remote.values())),
-                timeout=HEALTH_PROBE_TIMEOUT_S,
-            )
-            self._remote_ready = all(status.ready for status in statuses)
-            for name, status in zip(self._remote, statuses, strict=True):
-                self._remote_versions[name] = str(status.version or "")
-        except Exception:
-            self._remote_ready = False
+
+        async def ready(name: str, handle: Any) -> bool:
+            try:
+                status = await asyncio.wait_for(handle.metadata.remote(), timeout=HEALTH_PROBE_TIMEOUT_S)
+            except Exception:
+                return alive.get(name, 0) > 0
+            self._remote_versions[name] = str(status.version or "")
+            return bool(status.ready) or alive.get(name, 0) > 0
+
+        answers = await asyncio.gather(*(ready(name, handle) for name, handle in self._remote.items()))
+        self._remote_ready = all(answers)
 
     def serving(self) -> bool:
         """Whether this replica answers SERVING: not draining, every model loaded and ready."""
@@ -309,6 +322,7 @@ class PipelineIngress:
         status: dict[str, Any] = await self._feedback.status.remote()
         status["decisions_buffered"] = recorder.buffered if recorder else 0
         status["decisions_dropped"] = recorder.dropped if recorder else 0
+        status["decisions_recovered"] = recorder.recovered if recorder else 0
         return status
 
     def lane_use(self) -> dict[str, LaneUse]:

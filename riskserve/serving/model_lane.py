@@ -29,6 +29,8 @@ from typing import Any
 import grpc
 import numpy as np
 import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict
 from ray import serve
@@ -57,6 +59,9 @@ VERDICT_HEADER = "x-riskserve-verdict"
 unavailable, not that the lane is down."""
 DOWN_FOR_S = 5.0
 """How long a lane that failed is left alone before it is tried again."""
+PROBE_TIMEOUT_S = 0.5
+"""A lane whose health check does not answer in this time is put aside until one does (a hung replica:
+its process and sockets are alive, so only an answer tells; Serve replaces it only after its own checks)."""
 _TRACE_HEADERS = ("traceparent", "tracestate")
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -189,6 +194,9 @@ class LanedModelReplica(ModelReplica):
         )
         service = _LaneService(self, self._lane_token, Admission(limits["ongoing"], limits["queued"]))
         lane_grpc.add_ModelLaneServicer_to_server(service, self._lane_server)  # type: ignore[no-untyped-call]
+        # Liveness for the ingresses' probes: answered by the replica's event loop, so a hung replica
+        # (stopped, deadlocked) does not answer. It tells nothing but SERVING, so it needs no token.
+        health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), self._lane_server)
         self._lane_port: int = self._lane_server.add_insecure_port("127.0.0.1:0")
         await self._lane_server.start()
         self._lane_key: str | None = None
@@ -243,6 +251,8 @@ class _Lane:
     stub: lane_grpc.ModelLaneStub
     in_flight: int = 0
     down_until: float = 0.0
+    alive: bool = True
+    """Whether its last health probe was answered (:meth:`Lanes.probe`); a lane that is not is skipped."""
 
 
 class Lanes:
@@ -277,6 +287,26 @@ class Lanes:
             stub = lane_grpc.ModelLaneStub(channel)  # type: ignore[no-untyped-call]
             self._lanes[replica] = _Lane(address, channel, stub)
 
+    async def probe(self) -> int:
+        """Ask every lane's health check at once (``PROBE_TIMEOUT_S``); a lane that does not answer is
+        skipped by calls until it answers again. Returns the lanes alive."""
+
+        async def check(lane: _Lane) -> None:
+            stub = health_pb2_grpc.HealthStub(lane.channel)
+            try:
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as error:
+                if lane.alive:
+                    logger.warning("lane %s is not answering (%s): put aside", lane.address.target,
+                                   error.code().name)  # fmt: skip
+                lane.alive = False
+            else:
+                lane.alive = True
+
+        lanes = list(self._lanes.values())
+        await asyncio.gather(*(check(lane) for lane in lanes))
+        return sum(lane.alive for lane in lanes)
+
     def _read(self) -> dict[str, LaneAddress]:
         """Lanes announced on this node whose process still runs (a killed replica cannot withdraw)."""
         found: dict[str, LaneAddress] = {}
@@ -297,7 +327,7 @@ class Lanes:
         now = time.monotonic()
         best: _Lane | None = None
         for lane in self._lanes.values():
-            if lane.down_until <= now and (best is None or lane.in_flight < best.in_flight):
+            if lane.alive and lane.down_until <= now and (best is None or lane.in_flight < best.in_flight):
                 best = lane
         return best
 

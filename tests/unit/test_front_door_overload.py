@@ -1,0 +1,134 @@
+"""Overload at the front door is a prompt RESOURCE_EXHAUSTED, never a queue that outlives its deadlines:
+calls past ``max_concurrent_calls`` are refused by grpc before any handler runs, and while the event loop
+runs behind (``max_loop_lag_ms``) new decisions are refused until it catches up."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import grpc
+import pytest
+
+from riskserve.pipelines.frontdoor import Admission, FrontDoor
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.pipelines.spec import FrontDoorSpec
+from riskserve.pipelines.tokens import Caller
+from riskserve.platform.errors import Overloaded
+from riskserve.platform.metrics import PipelineMetrics
+
+NAME = "overload"
+
+
+class HeldPipeline:
+    """Decides only once :attr:`hold` is set (so calls stay in flight as long as the test wants)."""
+
+    name = NAME
+    decision_timeout_ms = 20_000.0
+
+    def __init__(self) -> None:
+        self.metrics = PipelineMetrics(NAME)
+        self.hold: asyncio.Event | None = None
+        self.in_flight = 0
+
+    async def decide(
+        self, requests: Sequence[pb.DecideRequest], trace_id: str, deadline: float, traced: bool
+    ) -> list[pb.DecideResponse]:
+        self.in_flight += 1
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+            return [pb.DecideResponse(request_id=r.request_id, pipeline=NAME) for r in requests]
+        finally:
+            self.in_flight -= 1
+
+    async def describe(self) -> pb.DescribeResponse:
+        return pb.DescribeResponse(pipeline=NAME)
+
+    async def feedback(self, request: pb.FeedbackRequest, caller: Caller | None) -> pb.FeedbackResponse:
+        return pb.FeedbackResponse(accepted=True)
+
+
+@pytest.fixture
+def door() -> Iterator[tuple[asyncio.AbstractEventLoop, HeldPipeline, str]]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    pipeline = HeldPipeline()
+    settings = FrontDoorSpec.model_validate({"port": 1, "max_concurrent_calls": 2}).model_copy(
+        update={"port": 0}
+    )
+    front = FrontDoor(pipeline, settings, Admission(16, 16))
+    port = asyncio.run_coroutine_threadsafe(front.start(), loop).result(timeout=30)
+    try:
+        yield loop, pipeline, f"127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(front.stop(0), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+def test_calls_past_max_concurrent_calls_are_refused_at_once_while_the_others_run(
+    door: tuple[asyncio.AbstractEventLoop, HeldPipeline, str],
+) -> None:
+    loop, pipeline, target = door
+    hold = asyncio.run_coroutine_threadsafe(_event(), loop).result()
+    pipeline.hold = hold
+    metadata = (("application", NAME),)
+    # A connection each, so HTTP/2's per-connection stream cap plays no part: this is the replica's limit.
+    channels = [
+        grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(5)
+    ]
+    try:
+        stubs = [pb_grpc.RiskPipelineStub(c) for c in channels]  # type: ignore[no-untyped-call]
+        held = [stubs[i].Decide.future(pb.DecideRequest(request_id=f"h{i}"), metadata=metadata, timeout=20)
+                for i in range(2)]  # fmt: skip
+        deadline = time.monotonic() + 10
+        while pipeline.in_flight < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for stub in stubs[2:]:
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Decide(pb.DecideRequest(request_id="more"), metadata=metadata, timeout=20)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert not any(call.done() for call in held), "refused while the two admitted calls still ran"
+        loop.call_soon_threadsafe(hold.set)
+        assert [call.result().request_id for call in held] == ["h0", "h1"]
+        assert stubs[4].Decide(
+            pb.DecideRequest(request_id="after"), metadata=metadata, timeout=20
+        ).request_id == ("after")
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+async def _event() -> asyncio.Event:
+    return asyncio.Event()
+
+
+def test_decisions_are_refused_while_the_event_loop_runs_behind_and_admitted_once_it_caught_up() -> None:
+    async def scenario() -> None:
+        admission = Admission(16, 16, max_lag_s=0.1)
+        watcher = asyncio.get_running_loop().create_task(admission.watch_lag())
+        await asyncio.sleep(0.12)
+        async with admission.slot(time.monotonic() + 5):
+            pass  # an idle loop admits
+        time.sleep(0.3)  # fault injected: the loop is blocked (as by a backlog of work) for 300 ms
+        await asyncio.sleep(0.01)  # the lag probe (due long ago) wakes first, 300 ms late
+        async with admission.slot(time.monotonic() + 5):
+            pass  # once is not sustained: the process may just not have had a CPU
+        time.sleep(0.3)  # and again: the loop runs behind
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded, match="behind"):
+            async with admission.slot(time.monotonic() + 5):
+                pass
+        await asyncio.sleep(0.12)  # the next probes wake on time
+        async with admission.slot(time.monotonic() + 5):
+            pass
+        watcher.cancel()
+
+    asyncio.run(scenario())
