@@ -35,4 +35,5 @@ def pipeline(
 
 def test_kill_9_of_a_model_replica_and_of_an_ingress_replica_lose_nothing(pipeline: PipelineSpec) -> None:
     drills.kill_model_replica(endpoint(pipeline), replicas=2, app=APP)
-    drills.kill_ingress_replica(endpoint(pipeline), replicas=2, app=APP)
+    log = pipeline.feedback_log_path()
+    drills.kill_ingress_replica(endpoint(pipeline), replicas=2, app=APP, feedback_log=log)

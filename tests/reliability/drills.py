@@ -8,8 +8,10 @@ end), after asserting its pass rule; ``FIGURES`` collects one line per drill for
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ __all__ = [
     "kill_model_replica",
     "overload",
     "record_figures",
+    "unrecorded",
 ]
 
 RATE = 40.0
@@ -113,8 +116,26 @@ def kill_model_replica(
     return report, window
 
 
+def unrecorded(feedback_log: Path, report: Report) -> int:
+    """Decisions answered but absent from the feedback log once the replicas had time to send (and adopt)
+    what they buffered: read from the SQLite file itself, read-only."""
+    ids = {o.decision_id for o in report.of("Decide") if o.kind == DECISION}
+    missing = ids
+
+    def all_there() -> bool:
+        nonlocal missing
+        with contextlib.closing(sqlite3.connect(f"file:{feedback_log}?mode=ro", uri=True)) as db:
+            have = {row[0] for row in db.execute("SELECT request_id FROM decisions")}
+        missing = ids - have
+        return not missing
+
+    with contextlib.suppress(AssertionError):
+        wait_for(all_there, 30, "every decision in the feedback log")
+    return len(missing)
+
+
 def kill_ingress_replica(
-    target: str, replicas: int, *, app: str = PIPELINE, seed: int = 2
+    target: str, replicas: int, *, app: str = PIPELINE, seed: int = 2, feedback_log: Path | None = None
 ) -> tuple[Report, Window]:
     """``kill -9`` of one ingress replica under steady load, until Serve has replaced it.
 
@@ -139,11 +160,14 @@ def kill_ingress_replica(
         assert set(report.attempt_codes(method)) <= {"OK", "UNAVAILABLE"}, report.summary()
     retried_late = [o for o in report.outcomes if o.retried and not window.holds(o.sent, grace_s=1.0)]
     assert retried_late == [], "retries outside the fault window"
-    figures = {
+    figures: dict[str, object] = {
         **report.summary(),
         **_labels_kept(load, report),
         "recovery_s": round(window.ended - started, 1),
     }
+    if feedback_log is not None:  # what the killed replica had buffered was journaled and adopted
+        figures["decisions_unrecorded"] = missing = unrecorded(feedback_log, report)
+        assert missing == 0, figures
     record_figures(f"kill_ingress_replica_of_{replicas}", figures)
     return report, window
 

@@ -89,6 +89,8 @@ class Running:
     target: str
     env: dict[str, str]
     log: Path
+    feedback_log: Path
+    """The pipeline's SQLite feedback log (the drills read it to check no decision was lost)."""
 
 
 def _riskserve(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -103,7 +105,8 @@ def riskserve_up(pipeline: Path, root: Path) -> Iterator[Running]:
     up = _riskserve("up", str(pipeline), "--grpc-port", str(_free_port()), env=env)
     assert up.returncode == 0, up.stderr + up.stdout
     state = json.loads((root / "state" / "state.json").read_text())
-    running = Running(int(state["pid"]), state["endpoints"][PIPELINE], env, Path(state["log"]))
+    log = Path(yaml.safe_load(pipeline.read_text())["feedback"]["log_path"])
+    running = Running(int(state["pid"]), state["endpoints"][PIPELINE], env, Path(state["log"]), log)
     try:
         yield running
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .drills import LABEL_EVERY, RATE, RECOVERY_S, SETTLE_S, Window, record_figures
+from .drills import LABEL_EVERY, RATE, RECOVERY_S, SETTLE_S, Window, record_figures, unrecorded
 from .harness import (
     Running,
     TreeUse,
@@ -155,6 +155,7 @@ def test_a_soak_with_one_fault_of_each_kind_at_random_times_loses_nothing_and_st
     again = load.relabel(report)
     lost = [o for o in again if not (o.kind == LABEL and o.duplicate)]
     flood_kinds = {k: v for f in floods for k, v in f.report().kinds().items()}
+    decisions_lost = unrecorded(soaked.feedback_log, report)
     figures = {
         "seed": seed,
         "seconds": round(report.ended - report.started),
@@ -170,11 +171,13 @@ def test_a_soak_with_one_fault_of_each_kind_at_random_times_loses_nothing_and_st
         "flood": flood_kinds,
         "labels_acknowledged": len(again),
         "labels_lost": len(lost),
+        "decisions_unrecorded": decisions_lost,
         "rss_mb": [round(baseline.total_rss / 2**20), round(final.total_rss / 2**20)],
         "fds": [baseline.total_fds, final.total_fds],
         "processes": [len(baseline.rss), len(final.rss)],
         "rss_mb_samples": [round(u.total_rss / 2**20) for _, u in samples],
         "fds_samples": [u.total_fds for _, u in samples],
+        "rss_mb_by_process": {name: round(rss / 2**20) for name, rss in sorted(final.rss.items())},
     }
     record_figures("soak", figures)
     assert failed_outside == [], [
@@ -182,6 +185,7 @@ def test_a_soak_with_one_fault_of_each_kind_at_random_times_loses_nothing_and_st
     ]
     assert failed_inside == [], failed_inside[:20]
     assert lost == [], f"{len(lost)} acknowledged labels lost"
+    assert decisions_lost == 0, "decisions answered but never reached the feedback log"
     assert set(flood_kinds) <= {DECISION, "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, flood_kinds
     assert final.total_rss <= baseline.total_rss * (1 + MAX_GROWTH), figures
     assert final.total_fds <= baseline.total_fds * (1 + MAX_GROWTH), figures
