@@ -68,6 +68,8 @@ def pipeline_data(
     data["serving"] = {
         "ingress": {"replicas": ingress_replicas, "num_cpus": 0.25, **(ingress or {})},
         "decision_timeout_ms": 5000,
+        # Low enough that a flood from a client sharing the machine's 2 cores crosses it (RELIABILITY.md).
+        "grpc": {"max_concurrent_calls": 32},
     }
     data["feedback"] = {"log_path": str(root / "feedback" / "log.sqlite"), "pool": "cpu", "num_cpus": 0,
                         "source_rate_per_s": 1000, "source_burst": 1000}  # fmt: skip

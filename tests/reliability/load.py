@@ -4,7 +4,9 @@ Every request sent ends in exactly one recorded :class:`Outcome`: a decision (wi
 fallbacks), a label acknowledgement, or a gRPC status; a call still unanswered ``HANG_GRACE_S`` past its
 own deadline is recorded as ``HANG`` (it must never happen). A call answered ``UNAVAILABLE`` (nothing ran,
 or its ingress replica died under it) is retried up to ``retries`` times, as a client should; every attempt
-is kept, so the drills can count what the fault cost before the retry.
+is kept, so the drills can count what the fault cost before the retry. A retry waits for the channel to be
+ready (``wait_for_ready``): a reconnect that raced a dying replica's socket leaves the channel failing calls
+at once for its reconnect backoff otherwise.
 
 Labels are sent for a fraction of decisions, by their server-issued ``decision_id``; :meth:`LoadClient.
 relabel` later sends every acknowledged label again with the same ``feedback_id``: a label the server
@@ -302,7 +304,12 @@ class LoadClient:
         for attempt in range(self.retries + 1):
             sent = time.monotonic()
             try:
-                call = getattr(stub, method)(request, metadata=metadata, timeout=self.deadline_s)
+                # A retry waits for the channel to connect again (within its deadline): right after a
+                # replica died, a reconnect can hit its closing socket, and the channel then fails calls
+                # at once for its reconnect backoff (1 s) unless they wait for it.
+                call = getattr(stub, method)(
+                    request, metadata=metadata, timeout=self.deadline_s, wait_for_ready=attempt > 0
+                )
                 answer = await asyncio.wait_for(call, timeout=self.deadline_s + HANG_GRACE_S)
             except grpc.aio.AioRpcError as error:
                 code, details = error.code().name, str(error.details() or "")[:80]

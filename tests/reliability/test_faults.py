@@ -26,16 +26,6 @@ def two_of_each(tabular_models: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield running
 
 
-@pytest.fixture(scope="module")
-def one_model_replica(tabular_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    """Two ingress replicas and a single replica of the fraud model."""
-    root = tmp_path_factory.mktemp("one")
-    with riskserve_up(
-        pipeline_file(tabular_models, root, fraud_replicas=1, ingress_replicas=2), root
-    ) as running:
-        yield running
-
-
 def test_kill_9_of_one_of_two_model_replicas_costs_no_decision_no_fallback_and_no_label(
     two_of_each: Running,
 ) -> None:
@@ -56,9 +46,3 @@ def test_a_hung_model_replica_is_put_aside_within_seconds_and_replaced_by_its_he
 
 def test_overload_is_refused_promptly_with_resource_exhausted_and_recovers(two_of_each: Running) -> None:
     drills.overload(two_of_each.target)
-
-
-def test_kill_9_of_the_only_model_replica_gives_fallbacks_until_it_is_back_and_no_errors(
-    one_model_replica: Running,
-) -> None:
-    drills.kill_model_replica(one_model_replica.target, replicas=1)

@@ -143,8 +143,10 @@ def test_a_soak_with_one_fault_of_each_kind_at_random_times_loses_nothing_and_st
     report = load.report()
 
     def window_of(outcome: Outcome) -> Window | None:
-        """The fault window a request was sent in (or within 3 s after: calls then still saw it)."""
-        return next((w for w in windows if w.started <= outcome.sent <= w.ended + 3.0), None)
+        """The fault window a request was in flight during (or up to 3 s after: calls then still saw it)."""
+        return next(
+            (w for w in windows if outcome.sent <= w.ended + 3.0 and outcome.ended >= w.started), None
+        )
 
     outside = [o for o in report.outcomes if window_of(o) is None]
     failed_outside = [o for o in outside if o.kind not in (DECISION, LABEL) or o.fallbacks or o.retried]
