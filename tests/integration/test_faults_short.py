@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 
 from ..reliability import drills
 from ..reliability.harness import pipeline_data

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from riskserve.demo.dataset import generate_transactions
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 
 __all__ = ["DECISION", "HANG", "LABEL", "Attempt", "LoadClient", "Outcome", "Report", "requests"]
 

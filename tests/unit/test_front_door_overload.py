@@ -12,13 +12,13 @@ from collections.abc import Iterator, Sequence
 import grpc
 import pytest
 
-from riskserve.pipelines.frontdoor import Admission, FrontDoor
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
-from riskserve.pipelines.spec import FrontDoorSpec
-from riskserve.pipelines.tokens import Caller
 from riskserve.platform.errors import Overloaded
 from riskserve.platform.metrics import PipelineMetrics
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.schema.pipeline import FrontDoorSpec
+from riskserve.serving.frontdoor import Admission, FrontDoor
+from riskserve.serving.tokens import Caller
 
 NAME = "overload"
 
