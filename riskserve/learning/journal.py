@@ -12,6 +12,7 @@ record sent twice is harmless. JSON only: nothing is ever unpickled.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
 import json
@@ -46,13 +47,16 @@ def _start_time(pid: int) -> str | None:
 
 
 def _record_line(record: DecisionRecord) -> str:
+    """One JSON line; the features as the base64 of their little-endian float32 bytes (exact, and a tenth
+    of the cost of a list of floats)."""
+    features = np.ascontiguousarray(record.features, dtype="<f4")
     return json.dumps(
         {
             "decision_id": record.decision_id,
             "pipeline": record.pipeline,
             "model_version": record.model_version,
-            "features": [float(v) for v in np.asarray(record.features, dtype=np.float32).ravel()],
-            "shape": list(np.shape(record.features)),
+            "features": base64.b64encode(features.tobytes()).decode("ascii"),
+            "shape": list(features.shape),
             "columns": list(record.columns),
             "request_id": record.request_id,
         },
@@ -62,7 +66,8 @@ def _record_line(record: DecisionRecord) -> str:
 
 def _record_of(line: str) -> DecisionRecord:
     data = json.loads(line)
-    features = np.asarray(data["features"], dtype=np.float32).reshape(data["shape"])
+    raw = np.frombuffer(base64.b64decode(data["features"], validate=True), dtype="<f4")
+    features = raw.astype(np.float32).reshape(data["shape"])
     return DecisionRecord(
         decision_id=str(data["decision_id"]),
         pipeline=str(data["pipeline"]),
@@ -136,7 +141,7 @@ class DecisionJournal:
             for line in mine.read_text().splitlines():
                 try:
                     records.append(_record_of(line))
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError):  # binascii.Error is a ValueError
                     self.unreadable += 1
         if records:
             logger.warning(
