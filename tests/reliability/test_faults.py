@@ -42,7 +42,3 @@ def test_a_hung_model_replica_is_put_aside_within_seconds_and_replaced_by_its_he
     two_of_each: Running,
 ) -> None:
     drills.hang_model_replica(two_of_each.target, replicas=2)
-
-
-def test_overload_is_refused_promptly_with_resource_exhausted_and_recovers(two_of_each: Running) -> None:
-    drills.overload(two_of_each.target)

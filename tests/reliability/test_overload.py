@@ -1,0 +1,37 @@
+"""Overload past capacity, on a real ``riskserve up``: a flood of 600 calls always in flight beside the steady
+load, against ingress replicas that take 16 decisions at once and queue 16 more each, with a fraud model that
+takes 50 ms a call (``fault_injection``: the real model, slowed on purpose). A load generator on the same
+2 cores cannot outrun a real model's replicas (it starves itself first, see RELIABILITY.md), so the capacity
+is made small instead: what is past it must be refused promptly with RESOURCE_EXHAUSTED, and the steady load
+must decide again within seconds after."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from . import drills
+from .harness import Running, pipeline_file, riskserve_up
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def small_capacity(tabular_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    root = tmp_path_factory.mktemp("overload")
+    control = root / "fraud-faults.json"
+    control.write_text(json.dumps({"delay_ms": 50}))
+    fraud = {"kind": "fault_injection", "settings": {"inner_kind": "sklearn", "control_file": str(control)}}
+    ingress = {"max_ongoing_requests": 16, "max_queued_requests": 16}
+    path = pipeline_file(
+        tabular_models, root, fraud_replicas=2, ingress_replicas=2, fraud=fraud, ingress=ingress
+    )
+    with riskserve_up(path, root) as running:
+        yield running
+
+
+def test_overload_is_refused_promptly_with_resource_exhausted_and_recovers(small_capacity: Running) -> None:
+    drills.overload(small_capacity.target)
