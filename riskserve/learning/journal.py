@@ -92,6 +92,8 @@ class DecisionJournal:
         self._written = False
         self.recovered = 0
         """Decisions adopted from the journals of replicas that died."""
+        self.unjournaled = 0
+        """Decisions whose journal write failed (sent all the same, but a crash before then loses them)."""
         self.unreadable = 0
         """Lines of adopted journals that could not be read (a write cut short): decisions lost."""
 
@@ -100,10 +102,18 @@ class DecisionJournal:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o600), path
 
     def append(self, records: list[DecisionRecord]) -> None:
-        """Journal ``records`` (one ``write``; no fsync: it must outlive the process, not the machine)."""
-        if records:
+        """Journal ``records`` (one ``write``; no fsync: it must outlive the process, not the machine). A
+        write that fails (a full disk) is logged and counted, never a failed decision: the records are
+        still buffered and sent, only a crash before then would lose them."""
+        if not records:
+            return
+        try:
             os.write(self._fd, "".join(_record_line(r) + "\n" for r in records).encode())
-            self._written = True
+        except OSError as error:
+            self.unjournaled += len(records)
+            logger.warning("could not journal %d decisions: %s", len(records), error)
+            return
+        self._written = True
 
     def rotate(self) -> list[Path]:
         """Close the current segment and start another; returns every closed segment not yet forgotten

@@ -118,3 +118,21 @@ def test_a_segment_is_deleted_only_after_the_log_committed_it(tmp_path: Path) ->
 
     asyncio.run(scenario())
     assert sent == ["d1", "d2", "d3"]
+
+
+def test_a_journal_write_that_fails_costs_no_decision_and_is_counted(tmp_path: Path) -> None:
+    journal = DecisionJournal(tmp_path / "journal")
+    journal.close()  # fault injected: every write now fails (as on a full disk)
+    sent: list[str] = []
+
+    async def send(records: list[DecisionRecord]) -> None:
+        sent.extend(r.decision_id for r in records)
+
+    async def scenario() -> None:
+        recorder = DecisionRecorder(send, flush_s=10, max_rows=100, journal=journal)
+        recorder.add([_record(1), _record(2)])  # does not raise
+        await recorder.flush()
+
+    asyncio.run(scenario())
+    assert sent == ["d1", "d2"]
+    assert journal.unjournaled == 2
