@@ -57,6 +57,7 @@ def pipeline_data(
     ingress_replicas: int = 2,
     ingress: dict[str, Any] | None = None,
     fraud: dict[str, Any] | None = None,
+    grpc: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``tabular_only`` with the fraud model in its own deployment and a feedback log under ``root``."""
     data: dict[str, Any] = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
@@ -68,8 +69,7 @@ def pipeline_data(
     data["serving"] = {
         "ingress": {"replicas": ingress_replicas, "num_cpus": 0.25, **(ingress or {})},
         "decision_timeout_ms": 5000,
-        # Low enough that a flood from a client sharing the machine's 2 cores crosses it (RELIABILITY.md).
-        "grpc": {"max_concurrent_calls": 32},
+        **({"grpc": grpc} if grpc else {}),
     }
     data["feedback"] = {"log_path": str(root / "feedback" / "log.sqlite"), "pool": "cpu", "num_cpus": 0,
                         "source_rate_per_s": 1000, "source_burst": 1000}  # fmt: skip

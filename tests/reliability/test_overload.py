@@ -26,8 +26,9 @@ def small_capacity(tabular_models: Path, tmp_path_factory: pytest.TempPathFactor
     control.write_text(json.dumps({"delay_ms": 50}))
     fraud = {"kind": "fault_injection", "settings": {"inner_kind": "sklearn", "control_file": str(control)}}
     ingress = {"max_ongoing_requests": 16, "max_queued_requests": 16}
+    grpc = {"max_concurrent_calls": 32}
     path = pipeline_file(
-        tabular_models, root, fraud_replicas=2, ingress_replicas=2, fraud=fraud, ingress=ingress
+        tabular_models, root, fraud_replicas=2, ingress_replicas=2, fraud=fraud, ingress=ingress, grpc=grpc
     )
     with riskserve_up(path, root) as running:
         yield running
