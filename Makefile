@@ -38,7 +38,7 @@ test: lint typecheck
 	$(BIN)/pytest
 
 # The fault drills and the soak against a real `riskserve up`, each with a reconciling client (RELIABILITY.md);
-# about 20 minutes, not in `make test` (which runs their short version). RISKSERVE_SOAK_S=300 shortens the soak.
+# about 20 minutes, not in `make test`. RISKSERVE_SOAK_S=300 shortens the soak.
 reliability: setup
 	$(BIN)/pytest -m reliability tests/reliability
 
