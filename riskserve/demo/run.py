@@ -47,6 +47,8 @@ def _pipeline_file(pipeline: Path, models: Path) -> Path:
         if log.parent.exists():
             shutil.rmtree(log.parent)
         data["feedback"]["log_path"] = str(log)
+    if "audit" in data:  # the trail stays where the YAML keeps it (``var/audit/``), across demo runs
+        data["audit"]["path"] = str((pipeline.parent / data["audit"]["path"]).resolve())
     target = state_dir() / f"demo-{pipeline.name}"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(yaml.safe_dump(data, sort_keys=False))
