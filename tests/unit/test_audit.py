@@ -102,6 +102,30 @@ def test_every_submitted_record_reaches_the_store_and_the_journal_is_deleted(tmp
     assert stat.S_IMODE((tmp_path / "audit").stat().st_mode) == 0o700
 
 
+def test_every_file_of_the_trail_is_private(tmp_path: Path) -> None:
+    """They hold the requests' input fields: the directory 0700, each file 0600 (SQLite's WAL and shared
+    memory files included), whatever the umask."""
+    old = os.umask(0o022)
+    try:
+        writer = AuditWriter(tmp_path / "audit")
+        writer.submit([record(i) for i in range(3)])
+        writer.cycle()  # committed: the WAL and shared memory files exist now
+        found = {p.relative_to(tmp_path / "audit").as_posix(): stat.S_IMODE(p.stat().st_mode)
+                 for p in (tmp_path / "audit").rglob("*")}  # fmt: skip
+        writer.close()
+    finally:
+        os.umask(old)
+    assert {
+        "slot-0.sqlite",
+        "slot-0.sqlite-wal",
+        "slot-0.sqlite-shm",
+        "slot-0.lock",
+        "slot-0.journal",
+    } <= set(found)
+    for name, mode in found.items():
+        assert mode == (0o700 if name == "slot-0.journal" else 0o600), (name, oct(mode))
+
+
 def test_a_record_written_ahead_is_readable_before_it_is_committed(tmp_path: Path) -> None:
     writer = AuditWriter(tmp_path / "audit")  # not started: nothing is committed
     writer.submit([record(1)])
