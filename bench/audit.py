@@ -43,7 +43,7 @@ def _records(n: int) -> list[list[dict[str, object]]]:
     )  # fmt: skip
     labels = {"intent": "urgent"}
     results = {name: ModelResult(name, "v" * 16, 0.42, label=labels.get(name, "")) for name in spec.models}
-    decision = Decision("DECLINE", 0.91, ["high_risk: combined risk score is 0.6 or more"], ["high_risk"])
+    decision = Decision("DECLINE", 0.91, ["high_risk: combined risk score is 0.6 or more"])
     reasons = {0: [Reason("amount", "amount of the transaction", 1.2, "credit", "2500")] * 4}
     out: list[list[dict[str, object]]] = []
     for i in range(n):

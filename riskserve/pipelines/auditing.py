@@ -8,7 +8,7 @@ trace id, and the input fields as the caller sent them.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from riskserve.audit.store import AuditRecord
 from riskserve.audit.writer import AuditWriter
@@ -41,6 +41,26 @@ def audit_writer(spec: PipelineSpec) -> AuditWriter | None:
     return writer.start()
 
 
+def _fired_rules(spec: PipelineSpec) -> Callable[[Sequence[str]], list[str]]:
+    """The names of the rules that fired, read from a decision's reasons: the rules engine gives each fired
+    rule's reason as ``"NAME: REASON"`` (or ``"NAME: could not be evaluated (...)"``), in rule order; a
+    fallback's reason or the default reason names no rule."""
+    exact = {f"{rule.name}: {rule.reason}": rule.name for rule in spec.decision.rules}
+    failed = [(f"{rule.name}: could not be evaluated", rule.name) for rule in spec.decision.rules]
+
+    def fired(reasons: Sequence[str]) -> list[str]:
+        out = []
+        for reason in reasons:
+            name = exact.get(reason)
+            if name is None:
+                name = next((n for prefix, n in failed if reason.startswith(prefix)), None)
+            if name is not None:
+                out.append(name)
+        return out
+
+    return fired
+
+
 def audit_records(
     spec: PipelineSpec,
     *,
@@ -54,6 +74,7 @@ def audit_records(
     """One record per decision of a batch, in the batch's order."""
     now = time.time()
     names = list(spec.models)
+    fired = _fired_rules(spec)
     records: list[AuditRecord] = []
     for i, (decision, results) in enumerate(decided):
         request = raw[i]
@@ -83,7 +104,7 @@ def audit_records(
                 ],
                 "risk_score": decision.risk_score,
                 "outcome": decision.outcome,
-                "rules": list(decision.rules),
+                "rules": fired(decision.reasons),
                 "rule_reasons": list(decision.reasons),
                 "top_reasons": [
                     {

@@ -328,3 +328,41 @@ def test_export_writes_what_the_records_say_with_labels_joined(tmp_path: Path, f
     assert labels["d000003"] == (1, "chargebacks")
     assert labels["d000004"] == (0, "review")
     assert labels["d000005"] == (None, None)
+
+
+def test_a_record_names_the_fired_rules_and_keeps_what_the_decision_answered() -> None:
+    from riskserve.features.encoder import RawRequest
+    from riskserve.pipelines.auditing import audit_records
+    from riskserve.pipelines.reasons import Reason
+    from riskserve.pipelines.rules import Decision, ModelResult
+    from riskserve.pipelines.spec import load_pipeline
+
+    spec = load_pipeline(REPO / "deploy" / "pipelines" / "card_fraud.yaml")
+    reasons = [f"{rule.name}: {rule.reason}" for rule in spec.decision.rules]
+    decided = [
+        (Decision("DECLINE", 0.93, [*reasons, "fraud: model unavailable (TIMEOUT), decided without it"]),
+         {name: ModelResult(name, f"v-{name}", 0.5, fallback=name == "fraud",
+                            fallback_reason="TIMEOUT" if name == "fraud" else "") for name in spec.models}),
+        (Decision("REVIEW", 1.0, [f"{spec.decision.rules[0].name}: could not be evaluated (no such key)"]),
+         {name: ModelResult(name, f"v-{name}", 0.1) for name in spec.models}),
+        (Decision("APPROVE", 0.01, [spec.decision.default_reason]),
+         {name: ModelResult(name, f"v-{name}", 0.0) for name in spec.models}),
+    ]  # fmt: skip
+    raw = [RawRequest({"amount": 5.0}, {"channel": "pos"}, "hi")] * 3
+    records = audit_records(
+        spec, raw=raw, request_ids=["a", "b", "c"], decision_ids=["d1", "d2", "d3"], decided=decided,
+        reasons={0: [Reason("amount", "amount", 1.5, "credit", "5.0")]}, trace_id="t" * 32,
+    )  # fmt: skip
+    assert [r["rules"] for r in records] == [[rule.name for rule in spec.decision.rules],
+                                             [spec.decision.rules[0].name], []]  # fmt: skip
+    first = records[0]
+    assert (first["decision_id"], first["request_id"], first["outcome"]) == ("d1", "a", "DECLINE")
+    assert first["rule_reasons"] == decided[0][0].reasons
+    assert [(m["model"], m["version"], m["fallback"]) for m in first["models"]] == [
+        (name, f"v-{name}", name == "fraud") for name in spec.models
+    ]
+    assert first["top_reasons"] == [
+        {"field": "amount", "text": "amount", "contribution": 1.5, "model": "credit", "value": "5.0"}
+    ]
+    assert first["inputs"] == {"numeric": {"amount": 5.0}, "categorical": {"channel": "pos"}, "text": "hi"}
+    assert records[1]["top_reasons"] == []
