@@ -7,7 +7,8 @@
 * ``writer``: the background thread's CPU per record committed to SQLite (WAL, ``synchronous=NORMAL``,
   batches of ``batch_rows``) and the records/s it sustains.
 
-Run: ``.venv/bin/python bench/audit.py [--records 20000]``; prints JSON.
+Run: ``.venv/bin/python bench/audit.py [--records 20000]`` (in ``make bench``); prints JSON and writes
+``bench/results/audit.json``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import write_results
 from riskserve.audit import AuditWriter
 from riskserve.features.encoder import RawRequest
 from riskserve.pipelines.auditing import audit_records
@@ -96,6 +98,7 @@ def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--records", type=int, default=20_000)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     started = time.perf_counter()
     records = _records(args.records)
@@ -109,6 +112,7 @@ def main() -> None:
         "record_bytes": len(json.dumps(records[0][0], separators=(",", ":"))),
     }
     print(json.dumps(out, indent=2))
+    print(f"wrote {write_results(args.out, 'audit', out)}")
 
 
 if __name__ == "__main__":
