@@ -133,6 +133,8 @@ class AuditWriter:
         self._buffer: collections.deque[tuple[AuditRecord, int]] = collections.deque()
         self._segments: dict[int, _Segment] = {s: _Segment(orphaned=True) for s in self._journal.leftovers}
         self._submitted = self._written = self._replayed = self._spilled = self._dropped = self._errors = 0
+        self._journal_errors = 0
+        self._journal_errors_logged = 0
         self._reported: dict[str, int] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -158,7 +160,10 @@ class AuditWriter:
             segment = -1
             if self._write_ahead:
                 data = "".join(dumps(r) + "\n" for r in records).encode()
-                segment = journal.append(data) or -1
+                try:
+                    segment = journal.append(data) or -1
+                except OSError:  # the disk is full or gone: memory still takes them (logged by the writer)
+                    self._journal_errors += 1
             room = self._buffer_rows - len(self._buffer)
             kept = records if room >= len(records) else records[: max(room, 0)]
             for record in kept:
@@ -174,7 +179,10 @@ class AuditWriter:
                 else:
                     spilled = None
                     if not self._write_ahead:
-                        spilled = journal.append("".join(dumps(r) + "\n" for r in rest).encode())
+                        try:
+                            spilled = journal.append("".join(dumps(r) + "\n" for r in rest).encode())
+                        except OSError:
+                            self._journal_errors += 1
                     if spilled is not None:
                         self._segments.setdefault(spilled, _Segment()).orphaned = True
                         self._spilled += len(rest)
@@ -387,6 +395,16 @@ class AuditWriter:
 
     def _report(self) -> None:
         """Hand new counts to ``on_count`` and log drops (the writer thread; never the request path)."""
+        with self._lock:
+            journal_errors = self._journal_errors
+        if journal_errors > self._journal_errors_logged:
+            logger.error(
+                "audit: %d appends to the journal in %s failed (disk full?); those records waited in "
+                "memory only (a kill -9 then loses them)",
+                journal_errors - self._journal_errors_logged,
+                self.directory,
+            )
+            self._journal_errors_logged = journal_errors
         with self._lock:
             now = {
                 "written": self._written,
