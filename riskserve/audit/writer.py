@@ -130,7 +130,8 @@ class AuditWriter:
             raise
         self._store_factory = store_factory
         self._lock = threading.Lock()
-        self._buffer: collections.deque[tuple[AuditRecord, int]] = collections.deque()
+        self._buffer: collections.deque[tuple[AuditRecord, int, str]] = collections.deque()
+        """(record, its journal segment or -1, its JSON when the request path made it, else '')."""
         self._segments: dict[int, _Segment] = {s: _Segment(orphaned=True) for s in self._journal.leftovers}
         self._submitted = self._written = self._replayed = self._spilled = self._dropped = self._errors = 0
         self._journal_errors = 0
@@ -155,19 +156,20 @@ class AuditWriter:
 
     def _submit(self, records: Sequence[AuditRecord]) -> None:
         journal = self._journal
-        with self._lock:
+        lines = [dumps(r) for r in records] if self._write_ahead else [""] * len(records)
+        data = "".join(line + "\n" for line in lines).encode() if self._write_ahead else b""
+        with self._lock:  # serialized outside it: the writer thread never waits on a dumps
             self._submitted += len(records)
             segment = -1
             if self._write_ahead:
-                data = "".join(dumps(r) + "\n" for r in records).encode()
                 try:
                     segment = journal.append(data) or -1
                 except OSError:  # the disk is full or gone: memory still takes them (logged by the writer)
                     self._journal_errors += 1
             room = self._buffer_rows - len(self._buffer)
             kept = records if room >= len(records) else records[: max(room, 0)]
-            for record in kept:
-                self._buffer.append((record, segment))
+            for record, line in zip(kept, lines, strict=False):
+                self._buffer.append((record, segment, line))
             if segment > 0:
                 state = self._segments.setdefault(segment, _Segment())
                 state.pending += len(kept)
@@ -288,14 +290,14 @@ class AuditWriter:
             if not batch:
                 return True
             try:
-                self.store.insert([record for record, _ in batch])
+                self.store.insert([r for r, _, _ in batch], [line or dumps(r) for r, _, line in batch])
             except Exception:
                 logger.exception("audit: the store refused %d records; kept and retried", len(batch))
                 with self._lock:
                     self._errors += 1
                 return False
             with self._lock:
-                for _, segment in batch:
+                for _, segment, _ in batch:
                     self._buffer.popleft()
                     if segment > 0:
                         self._segments[segment].pending -= 1
