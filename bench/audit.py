@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import write_results
 from riskserve.audit import AuditWriter
 from riskserve.features.encoder import RawRequest
-from riskserve.pipelines.auditing import audit_records
-from riskserve.pipelines.reasons import Reason
-from riskserve.pipelines.rules import Decision, ModelResult
-from riskserve.pipelines.spec import load_pipeline
+from riskserve.schema.pipeline import load_pipeline
+from riskserve.schema.rules import Decision, ModelResult
+from riskserve.serving.auditing import audit_records
+from riskserve.serving.reasons import Reason
 
 ROOT = Path(__file__).resolve().parents[1]
 

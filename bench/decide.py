@@ -80,7 +80,7 @@ def _stats_ms(samples: Sequence[float]) -> dict[str, float]:
 def _requests(name: str, count: int, seed: int) -> list[Any]:
     """``DecideRequest`` messages from generated transactions; text only for pipelines that read it."""
     from riskserve.demo.dataset import generate_transactions
-    from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+    from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
     tx = generate_transactions(count, seed=seed)
     out = []
@@ -94,7 +94,7 @@ def _spec(name: str, models: Path) -> Any:
     """The shipped pipeline YAML with its artifacts pointed at ``models``."""
     import yaml
 
-    from riskserve.pipelines.spec import parse_pipeline
+    from riskserve.schema.pipeline import parse_pipeline
 
     base, changes = VARIANTS.get(name, (name, {}))
     data = copy.deepcopy(yaml.safe_load((PIPELINES / f"{base}.yaml").read_text()))
@@ -111,10 +111,10 @@ def _start(specs: Sequence[Any], num_cpus: int | None) -> dict[str, str]:
     import ray
     from ray import serve
 
-    from riskserve.pipelines.app import build_application
-    from riskserve.pipelines.endpoints import assign_endpoints, endpoint_of
-    from riskserve.pipelines.local import pool_resources
-    from riskserve.pipelines.pools import pool_demands
+    from riskserve.operations.app import build_application
+    from riskserve.operations.local import pool_resources
+    from riskserve.schema.endpoints import assign_endpoints, endpoint_of
+    from riskserve.schema.pools import pool_demands
 
     needed = sum(demand.cpus for demand in pool_demands(list(specs)).values())
     ray.init(
@@ -223,8 +223,8 @@ def _measure(
 ) -> dict[str, Any]:
     import grpc
 
-    from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-    from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+    from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+    from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 
     requests = _requests(name, 4096, seed=2026)
     metadata = (("application", name),)

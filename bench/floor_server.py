@@ -41,10 +41,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from riskserve.features.encoder import FeatureEncoder, RawRequest
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
-from riskserve.pipelines.spec import load_pipeline
 from riskserve.platform.errors import ModelLoadError, RiskServeError
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.schema.pipeline import load_pipeline
 from riskserve.wrappers.sklearn_model import LinearSnapshot, load_sklearn_artifact
 from riskserve.wrappers.treelite_model import TreeliteModel, TreeliteSettings
 

@@ -1,6 +1,6 @@
 """What TLS and bearer tokens cost per call on the front door, isolated from any model.
 
-The real :class:`~riskserve.pipelines.frontdoor.FrontDoor` (grpc.aio, loopback) serves a pipeline that
+The real :class:`~riskserve.serving.frontdoor.FrontDoor` (grpc.aio, loopback) serves a pipeline that
 answers at once, three ways in one run: plain text, TLS, TLS + a bearer token checked against a table of
 ``--tokens`` entries. A sync client sends ``--calls`` sequential ``Decide`` calls on one connection each
 way; the median and p99 per call are printed side by side (ratios matter, absolute numbers drift).
@@ -23,12 +23,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from riskserve.pipelines.client import RiskClient
-from riskserve.pipelines.frontdoor import Admission, FrontDoor
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.spec import FrontDoorSpec
-from riskserve.pipelines.tokens import Caller
+from riskserve.client import RiskClient
 from riskserve.platform.metrics import PipelineMetrics
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.schema.pipeline import FrontDoorSpec
+from riskserve.serving.frontdoor import Admission, FrontDoor
+from riskserve.serving.tokens import Caller
 
 
 class _Instant:

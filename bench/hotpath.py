@@ -249,7 +249,7 @@ def _riskserve(*args: str, timeout_s: float) -> tuple[int, str]:
 
 def start_riskserve(name: str, models: Path, run_dir: Path) -> Running:
     """``riskserve up`` of one pipeline (returns once it serves); stopped by ``riskserve down``."""
-    from riskserve.pipelines.local import read_state
+    from riskserve.operations.local import read_state
 
     started = time.perf_counter()
     port = _free_port()

@@ -8,7 +8,7 @@ Serve with the gRPC proxy, deploys ``tabular_only`` (no LLM) with the demo model
      from the same kind of client thread as in 2;
   2. during swaps: one client thread issues the same sequential ``Decide`` load (back to back, or at
      ``--rate`` calls/s) while the main thread swaps the fraud model ``--swaps`` times, cycling through the
-     candidates, one swap every ``--interval`` seconds (:func:`riskserve.pipelines.swap.swap`). Requests in
+     candidates, one swap every ``--interval`` seconds (:func:`riskserve.operations.swap.swap`). Requests in
      flight during a swap window (swap command start to end) are compared with the steady ones and with
      the load-phase requests outside any window. Failed requests, fallbacks and fraud versions that are
      not one of the known ones are counted (all must be 0), and so are requests sent after a swap returned
@@ -137,7 +137,7 @@ class LoadThread(threading.Thread):
 
     def run(self) -> None:
         """Issue calls until :meth:`stop` or ``limit`` calls."""
-        from riskserve.pipelines.client import RiskClient
+        from riskserve.client import RiskClient
 
         requests = self.bench.requests
         with RiskClient(self.bench.target, pipeline=PIPELINE, timeout_s=20) as client:
@@ -220,7 +220,7 @@ def measure_steady(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
 
 def _run_swaps(bench: Bench, args: argparse.Namespace) -> tuple[list[Sample], list[SwapRecord], float]:
     """Swap the fraud model every ``interval`` s under the load thread; return samples, swaps and t0."""
-    from riskserve.pipelines.swap import swap
+    from riskserve.operations.swap import swap
     from riskserve.platform.errors import RiskServeError
 
     labels = list(bench.candidates)
@@ -342,7 +342,7 @@ def learning_spec(models: Path, log_dir: Path, batch_size: int) -> Any:
     import yaml
 
     from bench.decide import PIPELINES
-    from riskserve.pipelines.spec import parse_pipeline
+    from riskserve.schema.pipeline import parse_pipeline
 
     data = copy.deepcopy(yaml.safe_load((PIPELINES / f"{PIPELINE}.yaml").read_text()))
     data["name"] = LEARNING
@@ -359,8 +359,8 @@ def measure_label_to_version(bench: Bench, args: argparse.Namespace) -> dict[str
     from the last label's ack to the first ``Decide`` that carries the new fraud version."""
     from ray import serve
 
+    from riskserve.client import RiskClient
     from riskserve.demo.dataset import generate_transactions
-    from riskserve.pipelines.client import RiskClient
 
     batch, rounds = args.label_batch, args.label_rounds
     tx = generate_transactions(batch * rounds, seed=99)

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CLIENT = """
 import sys, time, grpc
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb, risk_pipeline_pb2_grpc as pbg
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb, risk_pipeline_pb2_grpc as pbg
 stub = pbg.RiskPipelineStub(grpc.insecure_channel(sys.argv[1]))
 numeric = {"amount": 42.5, "account_age_days": 900, "txn_velocity_1h": 0, "hour": 14}
 request = pb.DecideRequest(numeric=numeric, categorical={"merchant_category": "grocery", "channel": "pos"})

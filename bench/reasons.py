@@ -45,12 +45,13 @@ async def build_flow(models: Path, with_reasons: bool, shadow: dict[str, Any] | 
     """The ``tabular_only`` decision flow on ``models`` as an ingress replica builds it (in process), with or
     without its reasons section, and with ``shadow`` (settings of a shadow of ``fraud``) if given."""
     from riskserve.features.stage import FeatureStage
-    from riskserve.pipelines.flow import DecisionFlow
-    from riskserve.pipelines.guarded_call import GuardedModel, LocalEndpoint
-    from riskserve.pipelines.reasons import ReasonExplainer
-    from riskserve.pipelines.shadow import Shadows
-    from riskserve.pipelines.spec import parse_pipeline
     from riskserve.platform.runner import ModelRunner
+    from riskserve.schema.pipeline import parse_pipeline
+    from riskserve.serving.flow import DecisionFlow
+    from riskserve.serving.guarded_call import GuardedModel, LocalEndpoint
+    from riskserve.serving.reasons import ReasonExplainer
+    from riskserve.serving.shadow import Shadows
+    from riskserve.wrappers import backend
 
     document = yaml.safe_load((REPO / "deploy" / "pipelines" / "tabular_only.yaml").read_text())
     for name in ("credit", "fraud"):
@@ -62,7 +63,7 @@ async def build_flow(models: Path, with_reasons: bool, shadow: dict[str, Any] | 
     for name, model in spec.models.items():
         runner = ModelRunner(
             name, model.kind, dict(model.settings), spec.features.column_names(), spec.model_columns(name),
-            placement="ingress",
+            backends=backend, placement="ingress",
         )  # fmt: skip
         await runner.serve(str(spec.artifact_path(name)))
         runners[name] = runner
@@ -84,7 +85,7 @@ async def build_flow(models: Path, with_reasons: bool, shadow: dict[str, Any] | 
 
 
 def _decisions(flow: Any, body: dict[str, Any], repeats: int) -> dict[str, float]:
-    from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+    from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
     request = pb.DecideRequest(request_id="bench", **body)
     loop = asyncio.new_event_loop()

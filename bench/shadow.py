@@ -30,7 +30,7 @@ ROUNDS = 5
 def main() -> int:
     from riskserve.demo.build import build_demo_models
     from riskserve.demo.dataset import generate_transactions
-    from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+    from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

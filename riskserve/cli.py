@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from riskserve.platform.errors import ConfigError, NotFound, RiskServeError
 
 if TYPE_CHECKING:
-    from riskserve.pipelines.client import RiskClient
+    from riskserve.client import RiskClient
 
 __all__ = ["main"]
 
@@ -44,7 +44,7 @@ def _models_build(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from riskserve.pipelines.local import deploy_to_cluster, up_local
+    from riskserve.operations.local import deploy_to_cluster, up_local
 
     if args.address:
         endpoints = deploy_to_cluster(
@@ -70,7 +70,7 @@ def _target(args: argparse.Namespace) -> str:
     """``--target``, or the local riskserve's endpoint of ``--pipeline`` (each pipeline has its port)."""
     if args.target:
         return str(args.target)
-    from riskserve.pipelines.local import read_state
+    from riskserve.operations.local import read_state
 
     state = read_state()
     if state is None:
@@ -88,7 +88,7 @@ def _client(args: argparse.Namespace) -> RiskClient:
     """
     import os
 
-    from riskserve.pipelines.client import RiskClient
+    from riskserve.client import RiskClient
 
     token = os.environ.get("RISKSERVE_TOKEN") or None
     if args.token_file is not None:
@@ -105,7 +105,7 @@ def _client(args: argparse.Namespace) -> RiskClient:
 def _decide(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from riskserve.pipelines.client import reason_lines, split_fields
+    from riskserve.client import reason_lines, split_fields
 
     try:
         fields = json.loads(args.json)
@@ -120,7 +120,7 @@ def _decide(args: argparse.Namespace) -> int:
         else:
             response = client.decide_request(split_fields(fields))
     if args.format == "text":
-        from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+        from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
         decision = pb.Decision.Name(response.decision)
         print(f"{response.request_id}: {decision}, risk score {response.risk_score:.3f}")
@@ -158,20 +158,20 @@ def _feedback(args: argparse.Namespace) -> int:
 
 
 def _learning(args: argparse.Namespace) -> int:
-    from riskserve.pipelines.swap import learning_status
+    from riskserve.operations.swap import learning_status
 
     print(json.dumps(learning_status(args.pipeline), indent=2))
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    from riskserve.pipelines.status import print_status
+    from riskserve.operations.status import print_status
 
     return print_status()
 
 
 def _down(args: argparse.Namespace) -> int:
-    from riskserve.pipelines.local import down
+    from riskserve.operations.local import down
 
     state = down()
     print(f"stopped riskserve ({', '.join(state.pipelines)}, pid {state.pid})")
@@ -179,7 +179,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _swap(args: argparse.Namespace) -> int:
-    from riskserve.pipelines.swap import swap_model
+    from riskserve.operations.swap import swap_model
 
     result = swap_model(args.pipeline, args.model, args.artifact)
     where = f"{result.pipeline}/{result.model}"
@@ -188,7 +188,7 @@ def _swap(args: argparse.Namespace) -> int:
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    from riskserve.pipelines.swap import rollback_model
+    from riskserve.operations.swap import rollback_model
 
     result = rollback_model(args.pipeline, args.model)
     print(f"{result.pipeline}/{result.model}: rolled back {result.old_version} -> {result.new_version}")
@@ -198,7 +198,7 @@ def _rollback(args: argparse.Namespace) -> int:
 def _shadow(args: argparse.Namespace) -> int:
     """``shadow PIPELINE MODEL CANDIDATE [--sample S]``, ``shadow status [PIPELINE]``,
     ``shadow promote PIPELINE MODEL``, ``shadow stop PIPELINE MODEL``."""
-    from riskserve.pipelines import shadowing
+    from riskserve.operations import shadowing
 
     words = list(args.words)
     if words[0] == "status" and len(words) <= 2:
@@ -234,7 +234,7 @@ def _audit(args: argparse.Namespace) -> int:
     """``audit show ID`` and ``audit export --since T [--until T] --format F --out FILE``."""
     import time
 
-    from riskserve.pipelines import audit_cli
+    from riskserve.operations import audit_cli
 
     trail = audit_cli.find_trail(args.pipeline, args.dir)
     if args.audit_command == "show":
@@ -250,7 +250,7 @@ def _audit(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import yaml
 
-    from riskserve.pipelines.serve_config import serve_config
+    from riskserve.operations.serve_config import serve_config
 
     config = serve_config(args.pipelines, grpc_port=args.grpc_port)
     print(yaml.safe_dump(config, sort_keys=False), end="")

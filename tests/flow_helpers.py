@@ -9,12 +9,13 @@ from typing import Any
 import yaml
 
 from riskserve.features.stage import FeatureStage
-from riskserve.pipelines.flow import DecisionFlow
-from riskserve.pipelines.guarded_call import GuardedModel, LocalEndpoint
-from riskserve.pipelines.reasons import ReasonExplainer
-from riskserve.pipelines.shadow import Shadows
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 from riskserve.platform.runner import ModelRunner
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
+from riskserve.serving.flow import DecisionFlow
+from riskserve.serving.guarded_call import GuardedModel, LocalEndpoint
+from riskserve.serving.reasons import ReasonExplainer
+from riskserve.serving.shadow import Shadows
+from riskserve.wrappers import backend
 
 from .conftest import PIPELINES
 
@@ -34,7 +35,7 @@ async def serve_runners(spec: PipelineSpec) -> dict[str, ModelRunner]:
     for name, model in spec.models.items():
         runner = ModelRunner(
             name, model.kind, dict(model.settings), spec.features.column_names(), spec.model_columns(name),
-            placement="ingress",
+            backends=backend, placement="ingress",
         )  # fmt: skip
         await runner.serve(str(spec.artifact_path(name)))
         runners[name] = runner

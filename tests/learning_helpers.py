@@ -9,15 +9,15 @@ from typing import Any
 import grpc
 import numpy as np
 
+from riskserve.client import RiskClient
 from riskserve.demo.dataset import generate_transactions
 from riskserve.features.encoder import FeatureEncoder, RawRequest
 from riskserve.learning.learner import is_holdout
-from riskserve.pipelines.client import RiskClient
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.spec import PipelineSpec
 from riskserve.platform.errors import RiskServeError
 from riskserve.platform.runner import ModelStatus
 from riskserve.platform.secret import install_secret, secret_path
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.schema.pipeline import PipelineSpec
 from riskserve.wrappers.sklearn_model import LinearSnapshot, train_step
 
 BATCH = 16

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.floor_server import Front
 from bench.peers.v2 import matrix_request, outputs, positive_class, services
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.platform.errors import RiskServeError
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("credit", "fraud")

@@ -36,11 +36,11 @@ from ray.serve.handle import DeploymentHandle
 
 from bench.floor_server import Front
 from bench.peers.decision import sklearn_fraud, xgboost_credit
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.platform.errors import RiskServeError
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICER = "riskserve.pipelines.proto.riskserve.v1.risk_pipeline_pb2_grpc.add_RiskPipelineServicer_to_server"
+SERVICER = "riskserve.proto.riskserve.v1.risk_pipeline_pb2_grpc.add_RiskPipelineServicer_to_server"
 QUIET = {"log_level": "WARNING", "enable_access_log": False}
 MODEL_OPTIONS: dict[str, Any] = {
     "num_replicas": 1,

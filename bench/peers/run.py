@@ -92,7 +92,7 @@ def reference_answers(models: Path, path: Path) -> Path:
 
     from bench.floor_server import Floor
     from bench.loadgen import make_requests
-    from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+    from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
     floor = asyncio.run(Floor.load(ROOT / "deploy" / "pipelines" / "tabular_only.yaml", models))
     answers = {}

@@ -33,8 +33,8 @@ from bench.hotpath import Running, log, start_floor, start_riskserve
 from bench.peers.decision import decision_spec
 from bench.peers.v2 import decision_request, outputs, services
 from bench.peers.venvs import PEERS, ensure
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 
 __all__ = ["SYSTEMS", "start"]
 

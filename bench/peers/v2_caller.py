@@ -16,7 +16,7 @@ import grpc
 
 from bench.loadgen import TIMEOUT_S, Caller, Expected, Tally
 from bench.peers.v2 import decision_request, outputs, services
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
 __all__ = ["V2Caller"]
 

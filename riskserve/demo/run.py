@@ -13,12 +13,12 @@ from pathlib import Path
 
 import yaml
 
+from riskserve.client import RiskClient, reason_lines
 from riskserve.demo.build import BuiltModel, build_demo_models
 from riskserve.demo.dataset import Transactions, generate_transactions
-from riskserve.pipelines.client import RiskClient, reason_lines
-from riskserve.pipelines.local import down, state_dir, up_local
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.operations.local import down, state_dir, up_local
 from riskserve.platform.errors import RiskServeError
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
 __all__ = ["run_demo"]
 
@@ -91,7 +91,7 @@ def _print_reasons(response: pb.DecideResponse | None) -> None:
 
 def _audit(pipeline_file: Path, response: pb.DecideResponse | None) -> None:
     """The declined decision as the audit trail keeps it (what ``riskserve audit show ID`` prints)."""
-    from riskserve.pipelines.audit_cli import find_trail, show_audit
+    from riskserve.operations.audit_cli import find_trail, show_audit
 
     if response is None:
         return
@@ -114,7 +114,7 @@ def _fraud_version(client: RiskClient, row: dict[str, float | str]) -> str:
 
 def _shadow(client: RiskClient, models: Path, pipeline: str, row: dict[str, float | str]) -> BuiltModel:
     """Retrain the fraud model with another seed and shadow it on every live decision from now on."""
-    from riskserve.pipelines.shadowing import start_shadow
+    from riskserve.operations.shadowing import start_shadow
 
     (candidate,) = build_demo_models(models / "candidates", seed=7, only=["fraud"], progress=False)
     print(
@@ -127,7 +127,7 @@ def _shadow(client: RiskClient, models: Path, pipeline: str, row: dict[str, floa
 
 def _shadow_figures(pipeline: str) -> None:
     """What the shadow saw on the decisions since it started."""
-    from riskserve.pipelines.shadowing import shadow_status
+    from riskserve.operations.shadowing import shadow_status
 
     for f in shadow_status(pipeline)[pipeline]:
         flips = ", ".join(f"{k} {v}" for k, v in sorted(f.flips.items())) or "none"
@@ -149,8 +149,8 @@ def _shadow_figures(pipeline: str) -> None:
 
 def _hot_swap(client: RiskClient, pipeline: str, row: dict[str, float | str]) -> None:
     """Promote the shadowed candidate (a verified hot swap), then roll back; nothing else restarts."""
-    from riskserve.pipelines.shadowing import promote_shadow
-    from riskserve.pipelines.swap import rollback_model
+    from riskserve.operations.shadowing import promote_shadow
+    from riskserve.operations.swap import rollback_model
 
     swapped = promote_shadow(pipeline, "fraud")
     print(f"  promote  {swapped.old_version} -> {swapped.new_version} in {swapped.seconds:.1f} s (hot swap); "
@@ -162,7 +162,7 @@ def _hot_swap(client: RiskClient, pipeline: str, row: dict[str, float | str]) ->
 
 def _feedback_loop(client: RiskClient, pipeline: str, tx: Transactions, decided: list[int]) -> None:
     """Label past decisions with their truth; the learner applies them as one mini-batch and publishes."""
-    from riskserve.pipelines.swap import learning_status
+    from riskserve.operations.swap import learning_status
 
     before = learning_status(pipeline)["models"]["fraud"]
     print(f"\nonline learning: fraud serves {before['version']}; labelling {len(decided)} past decisions")

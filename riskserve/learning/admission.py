@@ -1,10 +1,10 @@
 """Admitting one label into the feedback log: rate limits, the one-label-per-decision rule, counted refusals.
 
-Kept apart from the Serve deployment (:mod:`riskserve.learning.service`) so the rules a poisoner meets are
-tested as plain objects. The order matters: a retry of a recorded ``feedback_id`` is answered without
-spending a token (a client retrying after a lost answer is never refused); everything else spends a
-token of its source and of the shared bucket before the log is touched, so a refused relabel costs the
-sender its rate too.
+Kept apart from the Serve deployment (:mod:`riskserve.operations.learning_service`) so the rules a
+poisoner meets are tested as plain objects. The order matters: a retry of a recorded ``feedback_id`` is
+answered without spending a token (a client retrying after a lost answer is never refused); everything
+else spends a token of its source and of the shared bucket before the log is touched, so a refused relabel
+costs the sender its rate too.
 """
 
 from __future__ import annotations

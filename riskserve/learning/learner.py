@@ -48,9 +48,9 @@ from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict
 
 from riskserve.learning.feedback_log import Batch, Cursor, FeedbackLog
-from riskserve.pipelines.spec import OnlineLearningSpec
 from riskserve.platform.errors import ModelLoadError
 from riskserve.platform.secret import install_secret, secret_path
+from riskserve.schema.pipeline import OnlineLearningSpec
 from riskserve.wrappers.sklearn_model import (
     GOLDEN_FILE,
     LinearSnapshot,

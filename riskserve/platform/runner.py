@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,7 +23,7 @@ from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict
 
 from riskserve.platform.artifacts import open_artifact
-from riskserve.platform.base_model import Contributions, ModelOutput
+from riskserve.platform.base_model import BaseModel, Contributions, ModelOutput, ModelSettings
 from riskserve.platform.errors import (
     ConfigError,
     InlineBusy,
@@ -34,7 +35,12 @@ from riskserve.platform.host import ModelHost
 from riskserve.platform.metrics import ModelMetrics
 from riskserve.platform.validation import FeatureMatrix
 
-__all__ = ["CandidateReport", "ModelAnswer", "ModelRunner", "ModelStatus"]
+__all__ = ["Backends", "CandidateReport", "ModelAnswer", "ModelRunner", "ModelStatus"]
+
+Backends = Callable[[str], tuple[type[BaseModel[Any, Any]], type[ModelSettings]]]
+"""A backend kind (``treelite``, ``sklearn``, ...) -> its model and settings classes. Given to every
+:class:`ModelRunner` by its caller (``riskserve.wrappers.backend``), so the ground floor never imports the
+backends above it."""
 
 logger = logging.getLogger(__name__)
 _GOLDEN_TOLERANCE = 1e-5
@@ -116,10 +122,13 @@ class ModelRunner:
         columns: list[str] | None,
         declared: list[str] | None = None,
         *,
+        backends: Backends,
         placement: Literal["ingress", "deployment"] = "deployment",
     ) -> None:
-        """``columns``: the shared matrix's; ``declared``: what the pipeline says the model reads."""
+        """``columns``: the shared matrix's; ``declared``: what the pipeline says the model reads;
+        ``backends``: resolves ``kind`` to the backend's classes when an artifact is loaded."""
         self.name = name
+        self._backends = backends
         self.kind = kind
         self.placement: Literal["ingress", "deployment"] = placement
         self._settings = {k: v for k, v in settings.items() if k != "artifact"}
@@ -167,9 +176,7 @@ class ModelRunner:
                          self._loaded.host.model.version, error)  # fmt: skip
 
     async def _load(self, artifact: str) -> _Loaded:
-        from riskserve.wrappers import backend
-
-        model_class, settings_class = backend(self.kind)
+        model_class, settings_class = self._backends(self.kind)
         settings = settings_class.model_validate({"name": self.name, **self._settings, "artifact": artifact})
         host: ModelHost[Any] = ModelHost(model_class(settings))
         await host.start()

@@ -136,7 +136,7 @@ SAFE = {
 
 def _assert_record_is_answer(record: dict[str, object], answer: object, sent: dict[str, object]) -> None:
     """The audit record of a decision says what its gRPC answer said (values, not just presence)."""
-    from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+    from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
     assert isinstance(answer, pb.DecideResponse)
     assert record["decision_id"] == answer.decision_id
@@ -171,8 +171,8 @@ def test_the_audit_trail_holds_what_each_decision_answered(
     user runs them: each record equals its answer, the export holds every decision with the same values."""
     import pyarrow.parquet as pq
 
-    from riskserve.pipelines.client import RiskClient
-    from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+    from riskserve.client import RiskClient
+    from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
     with RiskClient(f"127.0.0.1:{running}", pipeline="tabular_only") as client:
         declined = client.decide(**RISKY, request_id="audit-risky")  # type: ignore[arg-type]
@@ -255,7 +255,7 @@ def test_up_refuses_an_invalid_pipeline_naming_the_path(
 def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env: dict[str, str]) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    from riskserve.pipelines.app import build_app
+    from riskserve.operations.app import build_app
 
     result = _riskserve(
         "export", "serve-config", str(PIPELINES / "card_fraud.yaml"), "--grpc-port", "9100", env=cli_env
@@ -267,7 +267,7 @@ def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env
     assert "grpc_options" not in config
     (app,) = config["applications"]
     assert app["name"] == "card_fraud"
-    assert app["import_path"] == "riskserve.pipelines.app:build_app"
+    assert app["import_path"] == "riskserve.operations.app:build_app"
     assert app["args"] == {"pipeline": str((PIPELINES / "card_fraud.yaml").resolve()), "grpc_port": 9100}
     # Serve's graph: ingress(spec, features, models, feedback)
     ingress = build_app(app["args"])._bound_deployment

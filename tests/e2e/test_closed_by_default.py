@@ -22,7 +22,7 @@ import grpc
 import pytest
 import yaml
 
-from riskserve.pipelines.ray_auth import refuses_without_token
+from riskserve.operations.ray_auth import refuses_without_token
 
 from ..conftest import PIPELINES
 from ..sockets import is_loopback, listening_sockets

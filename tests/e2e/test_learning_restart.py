@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
+from riskserve.client import RiskClient
 from riskserve.learning.learner import load_version
-from riskserve.pipelines.client import RiskClient
-from riskserve.pipelines.spec import load_pipeline
+from riskserve.schema.pipeline import load_pipeline
 
 from ..conftest import PIPELINES
 from ..learning_helpers import BATCH, ONLINE, Labels

@@ -29,8 +29,8 @@ import grpc
 import pytest
 import yaml
 
-from riskserve.pipelines.endpoints import endpoint_of
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+from riskserve.schema.endpoints import endpoint_of
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 
 from ..conftest import PIPELINES
 from ..sockets import listening_sockets
@@ -130,7 +130,7 @@ def deploy(spec: PipelineSpec) -> None:
     """Deploy a pipeline as a Serve application named after it and wait until it is running."""
     from ray import serve
 
-    from riskserve.pipelines.app import build_application
+    from riskserve.operations.app import build_application
 
     serve.run(build_application(spec), name=spec.name, route_prefix=None)
 

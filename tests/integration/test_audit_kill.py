@@ -19,8 +19,8 @@ import grpc
 import pytest
 
 from riskserve.audit import AuditTrail
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 
 from .conftest import ServeCluster, channel, deploy, pipeline_on, serving_pid
 

@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from riskserve.demo.dataset import generate_transactions
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 
 from .conftest import ServeCluster, channel, deploy, pipeline_on, serving_pid
 
@@ -80,7 +80,7 @@ def test_no_feature_deployment_by_default_and_the_same_decisions(
 ) -> None:
     from ray import serve
 
-    from riskserve.pipelines.app import deployment_names
+    from riskserve.operations.app import deployment_names
 
     inline, staged = specs["tabular_inline"], specs["tabular_staged"]
     assert inline.serving.feature_stage == "ingress"

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 
 from .conftest import ServeCluster, channel, deploy, pipeline_on
 
@@ -45,7 +45,7 @@ def test_check_and_watch_report_serving_then_not_serving_while_draining(
 ) -> None:
     from ray import serve
 
-    from riskserve.pipelines.app import build_application
+    from riskserve.operations.app import build_application
 
     spec = pipeline_on("tabular_only.yaml", demo_models, name="health")
     deploy(spec)

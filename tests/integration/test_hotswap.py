@@ -21,17 +21,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from riskserve.client import RiskClient
 from riskserve.demo.build import build_demo_models
 from riskserve.demo.dataset import FEATURE_NAMES
 from riskserve.demo.tabular import make_tabular_data
-from riskserve.pipelines.client import RiskClient
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
-from riskserve.pipelines.publish import model_status
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
-from riskserve.pipelines.swap import rollback, swap
+from riskserve.operations.publish import model_status
+from riskserve.operations.swap import rollback, swap
 from riskserve.platform.artifacts import open_artifact
 from riskserve.platform.errors import Conflict, ModelLoadError
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 from riskserve.wrappers.sklearn_model import LinearSnapshot, save_sklearn_artifact
 
 from ..learning_helpers import own_connection, replica_statuses
@@ -310,7 +310,7 @@ def test_a_shadow_on_live_traffic_changes_no_answer_and_promotes_as_a_verified_s
 ) -> None:
     """The candidate scores every decision beside the serving fraud model in both ingress replicas; every
     answer stays the serving model's; the figures count each decision once; promote is a verified swap."""
-    from riskserve.pipelines.shadowing import _config, _figures, promote, shadow
+    from riskserve.operations.shadowing import _config, _figures, promote, shadow
 
     start = model_status(pipeline, "fraud")
     serving = start.version
@@ -355,7 +355,7 @@ def test_a_shadow_on_live_traffic_changes_no_answer_and_promotes_as_a_verified_s
         assert sum(f.compared for f in figures) > 0
         result = promote(pipeline, "fraud")
     except BaseException:
-        from riskserve.pipelines.shadowing import stop
+        from riskserve.operations.shadowing import stop
 
         with contextlib.suppress(Exception):  # leave no shadow behind for the next test
             stop(pipeline, "fraud")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from riskserve.client import RiskClient
 from riskserve.demo.dataset import generate_transactions
-from riskserve.pipelines.client import RiskClient
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
 from .conftest import ServeCluster, deploy, endpoint, pipeline_on
 

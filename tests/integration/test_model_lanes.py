@@ -15,12 +15,12 @@ import grpc
 import pytest
 
 from riskserve.demo.dataset import generate_transactions
-from riskserve.pipelines.model_lane import KV_NAMESPACE, TOKEN_HEADER, LaneAddress, LaneUse
-from riskserve.pipelines.proto.riskserve.internal.v1 import model_lane_pb2 as lane_pb
-from riskserve.pipelines.proto.riskserve.internal.v1 import model_lane_pb2_grpc as lane_grpc
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+from riskserve.proto.riskserve.internal.v1 import model_lane_pb2 as lane_pb
+from riskserve.proto.riskserve.internal.v1 import model_lane_pb2_grpc as lane_grpc
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
+from riskserve.serving.model_lane import KV_NAMESPACE, TOKEN_HEADER, LaneAddress, LaneUse
 
 from ..sockets import is_loopback, listening_sockets
 from .conftest import ServeCluster, channel, deploy, pipeline_on

@@ -20,11 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
+from riskserve.client import RiskClient
 from riskserve.learning.learner import load_version
-from riskserve.pipelines.client import RiskClient
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 from riskserve.platform.errors import (
     AlreadyExists,
     Conflict,
@@ -34,6 +31,9 @@ from riskserve.platform.errors import (
     NotFound,
     Overloaded,
 )
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 
 from ..learning_helpers import BATCH, ONLINE, Labels, own_connection, replica_statuses
 from .conftest import GENEROUS_TIMEOUT_MS, PIPELINES, ServeCluster, deploy, endpoint, free_port

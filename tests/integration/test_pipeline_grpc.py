@@ -19,10 +19,10 @@ import pytest
 
 from riskserve.demo.dataset import generate_transactions
 from riskserve.features.encoder import FeatureEncoder, RawRequest
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 from riskserve.platform.artifacts import open_artifact
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 from riskserve.wrappers.sklearn_model import SklearnModel, SklearnSettings
 
 from .conftest import ServeCluster, channel, deploy, endpoint, pipeline_on, serving_pid
@@ -127,7 +127,7 @@ def test_the_tabular_models_run_in_the_ingress_and_the_llm_in_a_deployment_of_it
 ) -> None:
     from ray import serve
 
-    from riskserve.pipelines.app import deployment_names
+    from riskserve.operations.app import deployment_names
 
     applications = serve.status().applications
     assert set(applications["card_fraud"].deployments) == {"ingress", "model-intent", "feedback"}

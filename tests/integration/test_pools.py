@@ -3,7 +3,7 @@
 The unit tests need no Ray. The cluster test starts its own multi-node Ray (``ray.cluster_utils.Cluster``:
 a head with no CPUs, a "CPU node" of the ``cpu`` pool, a "GPU node" of the ``gpu`` pool with one logical
 GPU) and deploys a pipeline-shaped Serve application of placement probes built with
-:func:`riskserve.pipelines.pools.actor_options`. It runs in a child process (this module run with
+:func:`riskserve.schema.pools.actor_options`. It runs in a child process (this module run with
 ``python -m``), because the session's ``serve_cluster`` fixture owns the test process's Ray.
 """
 
@@ -24,7 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-from riskserve.pipelines.pools import (
+from riskserve.platform.errors import ConfigError
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
+from riskserve.schema.pools import (
     PIN_UNITS,
     actor_options,
     check_pools,
@@ -35,8 +37,6 @@ from riskserve.pipelines.pools import (
     pool_demands,
     single_node_resources,
 )
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
-from riskserve.platform.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINES = REPO / "deploy" / "pipelines"

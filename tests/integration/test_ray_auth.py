@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from riskserve.pipelines.ray_auth import install_token, refuses_without_token
+from riskserve.operations.ray_auth import install_token, refuses_without_token
 
 from ..conftest import PIPELINES
 from .conftest import ServeCluster

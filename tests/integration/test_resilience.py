@@ -19,10 +19,10 @@ from typing import Any
 import grpc
 import pytest
 
-from riskserve.pipelines.client import RiskClient
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.spec import PipelineSpec
+from riskserve.client import RiskClient
 from riskserve.platform.errors import DeadlineExceeded, Overloaded
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.schema.pipeline import PipelineSpec
 
 from .conftest import ServeCluster, deploy, endpoint, pipeline_on
 
@@ -47,7 +47,7 @@ def _drill(
     }
     if serving:
         data["serving"] = {**data["serving"], **serving}
-    from riskserve.pipelines.spec import parse_pipeline
+    from riskserve.schema.pipeline import parse_pipeline
 
     drill = parse_pipeline(data, source=name)
     assert not drill.models["fraud"].in_ingress, "the drills inject faults into a model deployment"

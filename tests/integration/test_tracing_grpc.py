@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from riskserve.pipelines.client import RiskClient
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+from riskserve.client import RiskClient
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 
 from .conftest import ServeCluster, deploy, endpoint, pipeline_on, serving_pid
 

@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 
-from riskserve.pipelines.frontdoor import Admission
 from riskserve.platform.errors import DeadlineExceeded, Overloaded
+from riskserve.serving.frontdoor import Admission
 
 
 async def _hold(admission: Admission, release: asyncio.Event, deadline: float) -> str:

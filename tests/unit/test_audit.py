@@ -332,10 +332,10 @@ def test_export_writes_what_the_records_say_with_labels_joined(tmp_path: Path, f
 
 def test_a_record_names_the_fired_rules_and_keeps_what_the_decision_answered() -> None:
     from riskserve.features.encoder import RawRequest
-    from riskserve.pipelines.auditing import audit_records
-    from riskserve.pipelines.reasons import Reason
-    from riskserve.pipelines.rules import Decision, ModelResult
-    from riskserve.pipelines.spec import load_pipeline
+    from riskserve.schema.pipeline import load_pipeline
+    from riskserve.schema.rules import Decision, ModelResult
+    from riskserve.serving.auditing import audit_records
+    from riskserve.serving.reasons import Reason
 
     spec = load_pipeline(REPO / "deploy" / "pipelines" / "card_fraud.yaml")
     reasons = [f"{rule.name}: {rule.reason}" for rule in spec.decision.rules]

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import yaml
 
-from riskserve.pipelines import rules
-from riskserve.pipelines.batch_rules import (
+from riskserve.schema import rules
+from riskserve.schema.batch_rules import (
     BatchInputs,
     NotCompilable,
     RowInputs,
     Unsure,
     compile_expression,
 )
-from riskserve.pipelines.rules import DecisionEngine, ModelResult
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
+from riskserve.schema.rules import ModelResult
 
 from ..conftest import PIPELINES
 
@@ -191,7 +191,7 @@ FEATURE_RULES = {
 @pytest.mark.parametrize("count", [1, 5, 300])
 def test_engine_decides_batches_and_rows_exactly_as_cel(decision: dict[str, Any] | None, count: int) -> None:
     spec = _spec("tabular_only", decision)
-    engine = DecisionEngine(spec)
+    engine = spec.decision_engine()
     assert engine.compiled
     rows, _ = rules._samples(spec, count)
     per_model = _results(spec, count, seed=count)
@@ -208,14 +208,14 @@ def test_engine_decides_batches_and_rows_exactly_as_cel(decision: dict[str, Any]
 
 
 def test_pipelines_beyond_the_subset_decide_in_cel() -> None:
-    assert not DecisionEngine(_spec("card_fraud")).compiled  # labels, `in`, the ternary
+    assert not _spec("card_fraud").decision_engine().compiled  # labels, `in`, the ternary
 
 
 def test_fault_injected_wrong_program_is_caught_by_the_load_check() -> None:
     """A compiled program that disagreed with CEL (injected: the rules' thresholds shifted) is refused at
     load and the engine decides in CEL."""
     spec = _spec("tabular_only")
-    engine = DecisionEngine(spec)
+    engine = spec.decision_engine()
     program = engine._batch
     assert program is not None
     wrong = compile_expression("risk_score >= 0.55", models=MODELS, features=(), risk_score=True)

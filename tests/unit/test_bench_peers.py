@@ -15,8 +15,8 @@ from bench.peers.decision import BadRequest, DecisionSpec, decision_spec
 from bench.peers.v2 import decision_request, outputs, pb, positive_class
 from riskserve.demo.dataset import generate_transactions
 from riskserve.features.encoder import FeatureEncoder, RawRequest
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as rpb
-from riskserve.pipelines.spec import load_pipeline
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as rpb
+from riskserve.schema.pipeline import load_pipeline
 
 PIPELINE = Path(__file__).resolve().parents[2] / "deploy" / "pipelines" / "tabular_only.yaml"
 

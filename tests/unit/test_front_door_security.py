@@ -20,13 +20,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from riskserve.pipelines.auth import label_source
-from riskserve.pipelines.client import RiskClient
-from riskserve.pipelines.frontdoor import Admission, FrontDoor, check_front_door
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
-from riskserve.pipelines.spec import FrontDoorSpec, parse_pipeline
-from riskserve.pipelines.tokens import Caller, TokenStore
+from riskserve.client import RiskClient
 from riskserve.platform.errors import (
     ConfigError,
     InvalidInput,
@@ -36,6 +30,12 @@ from riskserve.platform.errors import (
     Unauthenticated,
 )
 from riskserve.platform.metrics import PipelineMetrics
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.schema.pipeline import FrontDoorSpec, parse_pipeline
+from riskserve.serving.auth import label_source
+from riskserve.serving.frontdoor import Admission, FrontDoor, check_front_door
+from riskserve.serving.tokens import Caller, TokenStore
 
 from ..conftest import PIPELINES
 from ..manual_clock import ManualClock

@@ -23,10 +23,10 @@ from riskserve.learning.admission import LabelAdmission
 from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
 from riskserve.learning.learner import OnlineLearner, drift_from, is_holdout, load_version, log_loss
 from riskserve.learning.rate_limit import RateLimited, SourceRateLimiter
-from riskserve.pipelines.spec import OnlineLearningSpec
 from riskserve.platform.errors import AlreadyExists, ConfigError, InvalidInput, NotFound
 from riskserve.platform.metrics import LABELS_REFUSED, LearningMetrics, recorded
 from riskserve.platform.secret import install_secret, secret_path
+from riskserve.schema.pipeline import OnlineLearningSpec
 from riskserve.wrappers.sklearn_model import snapshot_scores
 
 from ..manual_clock import ManualClock

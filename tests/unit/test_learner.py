@@ -16,8 +16,8 @@ from riskserve.learning.feedback_log import SCHEMA_VERSION, DecisionRecord, Feed
 from riskserve.learning.learner import OnlineLearner, cap_step, is_holdout, load_version
 from riskserve.learning.rate_limit import SourceRateLimiter
 from riskserve.learning.recorder import DecisionRecorder
-from riskserve.pipelines.spec import OnlineLearningSpec
 from riskserve.platform.errors import Overloaded
+from riskserve.schema.pipeline import OnlineLearningSpec
 from riskserve.wrappers.sklearn_model import LinearSnapshot, train_step
 
 from ..manual_clock import ManualClock

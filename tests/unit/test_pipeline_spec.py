@@ -12,9 +12,9 @@ import yaml
 
 from riskserve.demo.dataset import FEATURE_NAMES, generate_transactions, tabular_features
 from riskserve.features.encoder import FeatureEncoder, RawRequest
-from riskserve.pipelines.rules import DecisionEngine, ModelResult
-from riskserve.pipelines.spec import load_pipeline, parse_pipeline
 from riskserve.platform.errors import ConfigError, InvalidInput
+from riskserve.schema.pipeline import load_pipeline, parse_pipeline
+from riskserve.schema.rules import ModelResult
 
 PIPELINES = Path(__file__).resolve().parents[2] / "deploy" / "pipelines"
 
@@ -186,7 +186,7 @@ def _decide(
         )
         for name, (s, label, fb) in scores.items()
     }
-    return DecisionEngine(spec).decide(row, results)
+    return spec.decision_engine().decide(row, results)
 
 
 def test_rules_combine_to_the_most_severe_outcome_with_every_reason() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from riskserve.pipelines.proto import generate
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto import generate
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
 
 def test_generated_code_matches_the_proto() -> None:

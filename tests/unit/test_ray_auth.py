@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from riskserve.pipelines.ray_auth import install_token, token_mode_env
+from riskserve.operations.ray_auth import install_token, token_mode_env
 from riskserve.platform.errors import ConfigError
 
 

@@ -16,12 +16,12 @@ import xgboost
 
 from riskserve.demo.tabular import TabularData, make_tabular_data, train_fraud_lr, train_xgboost
 from riskserve.features.spec import FeatureSpec
-from riskserve.pipelines.flow import DecisionFlow
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.reasons import ReasonExplainer, field_map
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
 from riskserve.platform.errors import ConfigError
 from riskserve.platform.runner import ModelRunner
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
+from riskserve.serving.flow import DecisionFlow
+from riskserve.serving.reasons import ReasonExplainer, field_map
 from tests.flow_helpers import flow_of, serve_runners, tabular_document
 
 TYPICAL = {
@@ -195,7 +195,7 @@ def test_a_reasons_section_naming_something_unknown_is_refused_with_its_path(
 
 def test_a_model_that_fell_back_or_was_swapped_since_gives_no_reasons(pipeline: Pipeline) -> None:
     from riskserve.features.encoder import FeatureEncoder, RawRequest
-    from riskserve.pipelines.rules import ModelResult
+    from riskserve.schema.rules import ModelResult
 
     encoder = FeatureEncoder(pipeline.spec.features)
     row = encoder.validate(

@@ -12,9 +12,9 @@ import yaml
 
 from riskserve.demo.dataset import generate_transactions
 from riskserve.features.encoder import FeatureEncoder, RawRequest
-from riskserve.pipelines import rules
-from riskserve.pipelines.rules import DecisionEngine, ModelResult, _Needs
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+from riskserve.schema import rules
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
+from riskserve.schema.rules import ModelResult, _Needs
 
 from ..conftest import PIPELINES
 
@@ -69,10 +69,10 @@ def test_trimmed_contexts_decide_exactly_as_full_ones(
         for _ in rows
     ]
     # CEL itself (``_decide_cel``): the compiled forms of tabular_only's rules read no context at all
-    engine = DecisionEngine(spec)
+    engine = spec.decision_engine()
     trimmed = [engine._decide_cel(row, result) for row, result in zip(rows, results, strict=True)]
     monkeypatch.setattr(rules._Needs, "of", classmethod(lambda cls, expressions: cls(None, None, True)))
-    engine = DecisionEngine(spec)
+    engine = spec.decision_engine()
     full = [engine._decide_cel(row, result) for row, result in zip(rows, results, strict=True)]
     assert trimmed == full
     assert len({d.outcome for d in full}) > 1, "the sample exercises more than one outcome"

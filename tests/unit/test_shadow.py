@@ -17,9 +17,9 @@ from sklearn.metrics import log_loss, roc_auc_score
 from riskserve.demo.dataset import Transactions, generate_transactions
 from riskserve.demo.tabular import make_tabular_data, train_fraud_lr, train_xgboost
 from riskserve.features.encoder import FeatureEncoder, RawRequest
-from riskserve.pipelines.proto.riskserve.v1 import risk_pipeline_pb2 as pb
-from riskserve.pipelines.shadow import ShadowComparison, Shadows
-from riskserve.pipelines.spec import parse_pipeline
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.schema.pipeline import parse_pipeline
+from riskserve.serving.shadow import ShadowComparison, Shadows
 from riskserve.wrappers.sklearn_model import load_sklearn_artifact, snapshot_scores
 from tests.flow_helpers import flow_of, serve_runners, tabular_document
 
@@ -186,13 +186,13 @@ def _raw(request: pb.DecideRequest) -> RawRequest:
 
 
 def _decision(response: pb.DecideResponse) -> Any:
-    from riskserve.pipelines.rules import Decision
+    from riskserve.schema.rules import Decision
 
     return Decision(pb.Decision.Name(response.decision), response.risk_score, list(response.reasons))  # type: ignore[arg-type]
 
 
 def _result(score: pb.ModelScore) -> Any:
-    from riskserve.pipelines.rules import ModelResult
+    from riskserve.schema.rules import ModelResult
 
     return ModelResult(score.model, score.version, score.score, latency_ms=score.latency_ms)
 
@@ -203,7 +203,7 @@ def test_the_operator_commands_import_no_ray_before_they_connect() -> None:
     import subprocess
     import sys
 
-    code = "import sys, riskserve.cli, riskserve.pipelines.shadowing; print('ray' in sys.modules)"
+    code = "import sys, riskserve.cli, riskserve.operations.shadowing; print('ray' in sys.modules)"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )

@@ -100,7 +100,7 @@ def test_a_model_with_a_key_refuses_an_unsigned_artifact_but_not_a_learned_versi
 def test_the_pipeline_names_the_key_and_every_runner_gets_it(tmp_path: Path) -> None:
     import yaml
 
-    from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
+    from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 
     yaml_path = Path(__file__).parents[2] / "deploy" / "pipelines" / "card_fraud.yaml"
     private = Ed25519PrivateKey.generate()

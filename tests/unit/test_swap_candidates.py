@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from riskserve.pipelines.spec import PipelineSpec, parse_pipeline
-from riskserve.pipelines.swap import admit_candidate
+from riskserve.operations.swap import admit_candidate
 from riskserve.platform.errors import InvalidInput, NotFound
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 
 PIPELINE = Path(__file__).parents[2] / "deploy" / "pipelines" / "card_fraud.yaml"
 

@@ -1,0 +1,180 @@
+"""The graph builder: a pipeline spec becomes one Ray Serve application.
+
+The ``ingress`` serves riskserve's own gRPC front door and holds the feature stage and every model placed
+``ingress``; each model placed ``deployment`` (the LLM) is a deployment of its own that the ingress calls
+through a handle, and ``features`` a deployment only with ``serving.feature_stage: deployment``. Each
+deployment is placed on its pool through a Ray custom resource, so the same application runs on one
+machine or a KubeRay cluster. Models' artifacts travel as ``user_config`` (the ingress's for models in it),
+so a swap or a learner's publish reconfigures replicas in place.
+"""
+
+# No `from __future__ import annotations` here: Serve inspects build_app's annotation at run time.
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel as _Schema
+from pydantic import ConfigDict
+from ray import serve
+from ray.serve import Application
+
+from riskserve.features.stage import FeatureStage
+from riskserve.operations.learning_service import FeedbackService
+from riskserve.schema.endpoints import with_endpoint
+from riskserve.schema.pipeline import PipelineSpec, StageSpec, load_pipeline
+from riskserve.schema.pools import actor_options, check_pools, ingress_cpus
+from riskserve.serving.ingress import PipelineIngress
+from riskserve.serving.model_lane import LanedModelReplica
+from riskserve.serving.model_replica import ModelReplica
+
+__all__ = ["AppArgs", "build_app", "build_application", "deployment_names"]
+
+
+class AppArgs(_Schema):
+    """Arguments of :func:`build_app` in a Serve config file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pipeline: Path
+    """The pipeline YAML file."""
+    grpc_port: int | None = None
+    """The gRPC port of the pipeline's front door (default: the YAML's ``serving.grpc.port``)."""
+
+
+def deployment_names(spec: PipelineSpec) -> dict[str, str]:
+    """Serve deployment name of each stage: ``ingress``, ``model-<name>`` for models in their own
+    deployment, ``features`` when the feature stage is one and, with feedback, ``feedback``."""
+    remote = {m: f"model-{m}" for m, model in spec.models.items() if not model.in_ingress}
+    names = {"features": "features", "ingress": "ingress", **remote}
+    if spec.serving.feature_stage == "ingress":
+        del names["features"]  # encoded inside the ingress replicas
+    if spec.feedback is not None:
+        names["feedback"] = "feedback"
+    return names
+
+
+@functools.cache
+def _code_hash() -> str:
+    """Hash of riskserve's own source: a redeploy after a code change must restart the replicas."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _version(*parts: Any) -> str:
+    """A deployment version from its code and arguments.
+
+    Without one, Serve gives every ``serve.run`` a random version and restarts every replica, so an
+    unchanged model would be reloaded whenever any part of the pipeline is redeployed. With content
+    versions, only deployments whose code or arguments changed restart; a ``user_config`` change is
+    applied in place.
+    """
+    canonical = json.dumps([_code_hash(), *parts], sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _logging(spec: PipelineSpec) -> dict[str, Any]:
+    return {"enable_access_log": spec.serving.access_log}
+
+
+def _versioned(deployment: Any, version: str) -> Any:
+    """Pin a deployment's version. Ray 2.60 refuses ``options(version=...)`` from users and makes up a
+    random one per ``serve.run`` instead; its own config-deploy path passes versions with ``_internal``.
+    This is the one place riskserve leans on that (covered by tests that redeploy and compare pids)."""
+    return deployment.options(version=version, _internal=True)
+
+
+def _stage(
+    cls: type, name: str, spec: PipelineSpec, stage: StageSpec, *args: Any, num_cpus: float | None = None
+) -> Any:
+    cpus = stage.num_cpus if num_cpus is None else num_cpus
+    return _versioned(serve.deployment()(cls), _version(name, args)).options(
+        name=name,
+        logging_config=_logging(spec),
+        num_replicas=stage.replicas,
+        max_ongoing_requests=stage.max_ongoing_requests,
+        max_queued_requests=stage.max_queued_requests,
+        ray_actor_options=actor_options(spec, spec.stage_pool(stage), cpus),
+    )
+
+
+def build_application(
+    spec: PipelineSpec,
+    *,
+    draining: bool = False,
+    artifacts: dict[str, str] | None = None,
+    shadows: dict[str, dict[str, Any]] | None = None,
+) -> Application:
+    """The Serve application of a validated pipeline.
+
+    ``draining=True`` deploys the same application with the ingress draining (health NOT_SERVING);
+    ``artifacts`` overrides model artifacts (hot swap); ``shadows`` are candidates the ingress scores beside
+    its models (``riskserve shadow``). They travel as Serve ``user_config``, which Serve
+    applies to every running replica in place (``reconfigure``) without restarting anything.
+    """
+    check_pools(spec)  # also refused by `riskserve up`, across all the pipelines it starts together
+    data = spec.resolved()
+    names = deployment_names(spec)
+    features = None
+    if spec.serving.feature_stage == "deployment":
+        features_args = (data["features"], data["tracing"], spec.serving.matrix_retain_s)
+        stage_spec = spec.serving.features
+        features = _stage(FeatureStage, names["features"], spec, stage_spec, features_args).bind(
+            *features_args
+        )
+    matrix_columns = spec.features.column_names()
+    models = {}
+    for name, model in spec.models.items():
+        if model.in_ingress:
+            continue  # built by each ingress replica from the spec; its artifact is the ingress's user_config
+        batching = model.batching.model_dump() if model.batching is not None else None
+        max_ongoing = model.max_ongoing_requests
+        if model.batching is not None:  # Serve wants room for a whole batch of calls per replica
+            max_ongoing = max(max_ongoing, model.batching.max_batch_size)
+        replica_class = LanedModelReplica if spec.serving.model_lanes else ModelReplica
+        deployment = serve.deployment()(replica_class).options(
+            name=names[name],
+            logging_config=_logging(spec),
+            num_replicas=model.replicas,
+            max_ongoing_requests=max_ongoing,
+            max_queued_requests=model.max_queued_requests,
+            ray_actor_options=actor_options(spec, model.pool, model.num_cpus, model.num_gpus),
+            # vLLM loads its engine in the constructor; give slow starts room before Serve gives up.
+            health_check_timeout_s=60,
+        )
+        artifact = (artifacts or {}).get(name) or data["models"][name]["artifact"]
+        columns = None if model.reads_text else matrix_columns
+        declared = None if model.reads_text else spec.model_columns(name)
+        args = (name, model.kind, spec.runner_settings(name), columns, declared, data["tracing"], batching)
+        lane = {"lane": {"ongoing": max_ongoing, "queued": model.max_queued_requests}}
+        lane = lane if spec.serving.model_lanes else {}
+        versioned = _versioned(deployment, _version(names[name], args, lane))
+        models[name] = versioned.options(user_config={"artifact": str(artifact)}).bind(*args, **lane)
+    feedback = None
+    if spec.feedback is not None:
+        feedback_stage = _stage(FeedbackService, names["feedback"], spec, spec.feedback.stage, data)
+        feedback = feedback_stage.bind(
+            data, build_application
+        )  # the service publishes by rebuilding this app
+    in_ingress = {
+        name: str((artifacts or {}).get(name) or data["models"][name]["artifact"])
+        for name, model in spec.models.items()
+        if model.in_ingress
+    }
+    ingress_deployment = _stage(
+        PipelineIngress, names["ingress"], spec, spec.serving.ingress, data, num_cpus=ingress_cpus(spec)
+    )
+    ingress: Application = ingress_deployment.options(
+        user_config={"draining": draining, "artifacts": in_ingress, "shadows": shadows or {}}
+    ).bind(data, features, models, feedback)
+    return ingress
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve config entry point (``riskserve.operations.app:build_app`` with ``args: {pipeline: PATH}``)."""
+    parsed = AppArgs.model_validate(args)
+    return build_application(with_endpoint(load_pipeline(parsed.pipeline), port=parsed.grpc_port))

@@ -1,0 +1,257 @@
+"""Hot swap of one model's artifact in a running pipeline, and rollback, with nothing else restarted.
+
+``swap_model`` verifies the candidate inside a replica of the model (checksums, the backend's load checks,
+same columns and labels, golden rows finite, in [0, 1], not constant and equal to the stored outputs),
+then redeploys the pipeline with the new artifact as the model's Serve ``user_config``: Serve calls
+``reconfigure`` on the running replicas, which flip to the candidate atomically; calls in flight finish on
+the old version. Only one swap of a pipeline runs at a time; a second one gets ``Conflict`` (ABORTED). In a
+pipeline with a feedback service the publish itself runs inside that service, under the same lock as the
+learner's publishes, as a compare-and-set on the version the candidate was verified against; the learner
+adopts the candidate only after every replica serves it, so a refused swap never takes effect later.
+Each pipeline's artifact history is kept beside the local state, so ``rollback_model`` returns to the
+previous one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from riskserve.operations.local import LocalState, connected, read_state, state_dir
+from riskserve.operations.publish import model_status, publish_checked
+from riskserve.platform.errors import Conflict, InvalidInput, ModelLoadError, NotFound, RiskServeError
+from riskserve.schema.pipeline import PipelineSpec
+
+__all__ = [
+    "SwapResult",
+    "admit_candidate",
+    "artifact_overrides",
+    "build_application",
+    "exclusive",
+    "learning_status",
+    "rollback",
+    "rollback_model",
+    "swap",
+    "swap_model",
+]
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    """What a swap did: the versions before and after, and how long until every replica served the new one."""
+
+    pipeline: str
+    model: str
+    old_version: str
+    new_version: str
+    artifact: str
+    seconds: float
+
+
+def _history_path() -> Path:
+    return state_dir() / "artifacts.json"
+
+
+def _history() -> dict[str, dict[str, list[str]]]:
+    try:
+        data: dict[str, dict[str, list[str]]] = json.loads(_history_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data
+
+
+def _save_history(history: dict[str, dict[str, list[str]]]) -> None:
+    path = _history_path()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(history, indent=2))
+    os.replace(tmp, path)  # readers see the old or the new history, never half of one
+
+
+def artifact_overrides(pipeline: str) -> dict[str, str]:
+    """The artifact each swapped model of ``pipeline`` serves now (models never swapped are absent)."""
+    return {model: paths[-1] for model, paths in _history().get(pipeline, {}).items() if paths}
+
+
+@contextlib.contextmanager
+def exclusive(pipeline: str) -> Iterator[None]:
+    """One operation (swap, rollback, shadow) per pipeline at a time, across processes: a publish reads
+    every model's artifact, so two swaps of different models of one pipeline would undo each other too.
+
+    Raises:
+        Conflict: another one is running.
+    """
+    directory = state_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / f"swap-{pipeline}.lock").open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Conflict(f"a swap in {pipeline} is already running; try again when it ends") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _cause(error: BaseException) -> BaseException:
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
+def admit_candidate(spec: PipelineSpec, model: str, artifact: Path | str) -> Path:
+    """The candidate's real path, if ``model`` may be swapped to it: inside the pipeline's models root
+    (symlinks resolved, so a link out of the root does not count), its YAML artifact, or one of its
+    learned versions.
+
+    Raises:
+        NotFound: no such model or no such directory.
+        InvalidInput: the candidate is elsewhere (field ``artifact``).
+    """
+    if model not in spec.models:
+        raise NotFound(f"pipeline '{spec.name}' has no model '{model}' (models: {', '.join(spec.models)})")
+    try:
+        path = Path(artifact).resolve(strict=True)
+    except OSError as error:
+        raise NotFound(f"no candidate artifact at {artifact}: {error}") from error
+    roots = [spec.candidate_root(model).resolve()]
+    if spec.models[model].online is not None:
+        roots.append(spec.learned_dir(model).resolve())
+    if path == spec.artifact_path(model).resolve() or any(root in path.parents for root in roots):
+        return path
+    raise InvalidInput(
+        f"{path} is outside the models root {roots[0]} (set 'models_root' in the pipeline YAML to swap "
+        "from elsewhere)",
+        field="artifact",
+    )
+
+
+def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
+    """Verify ``artifact`` and make it the serving version of ``model`` (Ray must be connected).
+
+    Raises:
+        NotFound: no such model or candidate. InvalidInput: the candidate is outside the models root.
+        Conflict: another swap of this pipeline is running, or another publish changed the model while
+            the candidate was verified.
+        ModelLoadError: the candidate failed a check, or a replica refused it; the old version serves.
+    """
+    from ray import serve
+
+    pipeline = spec.name
+    path = str(admit_candidate(spec, model, artifact))
+    with exclusive(pipeline):
+        ingress = serve.get_deployment_handle("ingress", app_name=pipeline)
+        serving = model_status(spec, model)
+        old_version, old_artifact = str(serving.version), serving.artifact
+        try:
+            candidate = ingress.verify_candidate.remote(model, path).result()
+        except Exception as error:
+            cause = _cause(error)
+            if isinstance(cause, RiskServeError):
+                raise ModelLoadError(f"candidate refused, {old_version} keeps serving: {cause}") from error
+            raise
+        history = _history()
+        models = history.setdefault(pipeline, {})
+        previous = models.get(model) or []
+        if not previous or previous[-1] != old_artifact:  # e.g. a version the online learner published
+            previous = [*previous, old_artifact]
+        started = time.monotonic()
+        _publish(spec, model, path, str(candidate.version), old_version, old_artifact)
+        models[model] = [*previous, path]
+        _save_history(history)
+        return SwapResult(
+            pipeline, model, old_version, str(candidate.version), path, time.monotonic() - started
+        )
+
+
+def build_application(spec: PipelineSpec, **options: Any) -> Any:
+    """:func:`riskserve.operations.app.build_application`, imported when first called: the operator commands
+    import Ray only after :func:`~riskserve.operations.local.connected` has set its loopback address."""
+    from riskserve.operations.app import build_application as build
+
+    return build(spec, **options)
+
+
+def _publish(spec: PipelineSpec, model: str, artifact: str, version: str, expected: str, old: str) -> None:
+    """Publish a verified candidate through the pipeline's one publisher (see the module docstring)."""
+    if spec.feedback is None:  # no learner: this process is the only publisher, under exclusive()
+        publish_checked(spec, model, artifact, version, old, build=build_application)
+        return
+    from ray import serve
+
+    feedback = serve.get_deployment_handle("feedback", app_name=spec.name)
+    try:
+        feedback.swap.remote(model, artifact, version, expected).result()
+    except Exception as error:
+        cause = _cause(error)
+        if isinstance(cause, RiskServeError):
+            raise cause from error
+        raise
+
+
+def rollback(spec: PipelineSpec, model: str) -> SwapResult:
+    """Serve the artifact ``model`` served before its last swap (verified again like any candidate).
+
+    Raises:
+        NotFound: the model was never swapped.
+    """
+    history = _history().get(spec.name, {}).get(model, [])
+    if len(history) < 2:
+        raise NotFound(f"{spec.name}/{model} has no earlier version to roll back to")
+    result = swap(spec, model, history[-2])
+    full = _history()
+    full[spec.name][model] = history[:-1]  # the swap appended history[-2]; drop it and the version left
+    _save_history(full)
+    return result
+
+
+def _local(pipeline: str, state: LocalState | None) -> tuple[LocalState, PipelineSpec]:
+    state = state or read_state()
+    if state is None:
+        raise NotFound("no local riskserve is running")
+    if pipeline not in state.pipeline_files:
+        raise NotFound(f"no pipeline '{pipeline}' is running (running: {', '.join(state.pipeline_files)})")
+    return state, state.running_spec(pipeline)
+
+
+def swap_model(
+    pipeline: str, model: str, artifact: Path | str, *, state: LocalState | None = None
+) -> SwapResult:
+    """:func:`swap` on the local riskserve (``riskserve swap``)."""
+    state, spec = _local(pipeline, state)
+    with connected(state):
+        return swap(spec, model, artifact)
+
+
+def rollback_model(pipeline: str, model: str, *, state: LocalState | None = None) -> SwapResult:
+    """:func:`rollback` on the local riskserve (``riskserve rollback``)."""
+    state, spec = _local(pipeline, state)
+    with connected(state):
+        return rollback(spec, model)
+
+
+def learning_status(pipeline: str, *, state: LocalState | None = None) -> dict[str, Any]:
+    """The online learner of a local pipeline: cursor, pending labels, batch outcomes per model.
+
+    Raises:
+        NotFound: the pipeline is not running. InvalidInput: it has no ``feedback`` section.
+    """
+    state, spec = _local(pipeline, state)
+    if spec.feedback is None:
+        raise InvalidInput(f"pipeline '{pipeline}' has no feedback section", field="feedback")
+    with connected(state):
+        from ray import serve
+
+        # The ingress adds its own replica's decision buffer (buffered, dropped) to the learner's status.
+        status: dict[str, Any] = (
+            serve.get_deployment_handle("ingress", app_name=pipeline)
+            .learning_status.remote()
+            .result(timeout_s=30)
+        )
+        return status

@@ -1,1 +1,0 @@
-"""Generated protobuf package; see riskserve/pipelines/proto/generate.py."""

@@ -1,0 +1,364 @@
+"""The pipeline's ingress: one Serve deployment per pipeline that serves the gRPC front door itself.
+
+Each ingress replica holds the feature stage, every model placed ``ingress`` (a :class:`ModelRunner` per
+model, hot-swapped through Serve's ``user_config`` like a model deployment), handles to the models in
+their own deployments, the decision flow and riskserve's own gRPC server. The tabular path of a decision
+never leaves this process, reason codes and shadow candidates (``user_config`` too) included. Operators
+reach the same replicas through Serve handles (status, swaps, shadows, learning), never through the data
+plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+
+from riskserve.audit.writer import AuditCounts
+from riskserve.features.stage import FeatureStage
+from riskserve.learning.recorder import DecisionRecorder
+from riskserve.platform.errors import InvalidInput, ModelUnavailable, NotFound, RiskServeError
+from riskserve.platform.metrics import PipelineMetrics
+from riskserve.platform.runner import CandidateReport, ModelRunner, ModelStatus
+from riskserve.platform.tracing import configure_tracing, shutdown_tracing
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.schema.pipeline import PipelineSpec
+from riskserve.serving.auditing import audit_writer
+from riskserve.serving.auth import label_source
+from riskserve.serving.flow import DecisionFlow
+from riskserve.serving.frontdoor import Admission, FrontDoor
+from riskserve.serving.guarded_call import GuardedModel, LocalEndpoint, MatrixSharer, RemoteEndpoint
+from riskserve.serving.messages import describe_response
+from riskserve.serving.model_lane import Lanes, LaneUse
+from riskserve.serving.reasons import ReasonExplainer
+from riskserve.serving.shadow import ShadowFigures, Shadows
+from riskserve.serving.tokens import Caller
+from riskserve.wrappers import backend
+
+__all__ = ["PipelineIngress"]
+
+logger = logging.getLogger(__name__)
+
+HEALTH_REFRESH_S = 1.0
+"""How often the ingress asks its remote models whether they are ready (health answers from this)."""
+HEALTH_PROBE_TIMEOUT_S = 1.0
+FEEDBACK_FLUSH_TIMEOUT_S = 5.0
+"""How long ``Feedback`` waits for this replica's buffered decisions to reach the log."""
+
+
+class PipelineIngress:
+    """Serve deployment: the front door, the decision flow and the models placed in the ingress."""
+
+    async def __init__(  # type: ignore[misc]
+        self, spec: dict[str, Any], features: Any, models: dict[str, Any], feedback: Any = None
+    ) -> None:
+        self._spec = PipelineSpec.model_validate(spec)
+        configure_tracing(self._spec.tracing)
+        self.name = self._spec.name
+        self.decision_timeout_ms = self._spec.serving.decision_timeout_ms
+        serving = self._spec.serving
+        columns = self._spec.features.column_names()
+        self._runners: dict[str, ModelRunner] = {}
+        self._remote: dict[str, Any] = dict(models)
+        self._lanes: dict[str, Lanes] = {}
+        sharer = MatrixSharer(serving.by_value_rows, serving.matrix_retain_s)
+        self._sharer = sharer
+        guarded: dict[str, GuardedModel] = {}
+        for name, model in self._spec.models.items():
+            if model.in_ingress:
+                settings = self._spec.runner_settings(name)
+                runner = ModelRunner(
+                    name, model.kind, settings, columns, self._spec.model_columns(name), backends=backend,
+                    placement="ingress",
+                )  # fmt: skip
+                self._runners[name] = runner
+                endpoint: Any = LocalEndpoint(runner, serving.inline_rows)
+            else:
+                handle = models[name]
+                lanes = Lanes(handle.app_name, handle.deployment_name) if serving.model_lanes else None
+                if lanes is not None:
+                    self._lanes[name] = lanes
+                endpoint = RemoteEndpoint(handle, model.reads_text, sharer, lanes)
+            guarded[name] = GuardedModel.build(name, model, endpoint)
+        self._feedback = feedback
+        recorder = None
+        if feedback is not None and self._spec.feedback is not None:
+            recorder = DecisionRecorder(
+                lambda records: feedback.record_decisions.remote(records),
+                flush_s=self._spec.feedback.flush_ms / 1e3,
+                max_rows=self._spec.feedback.buffer_rows,
+            )
+        local_stage = None
+        if serving.feature_stage == "ingress":
+            local_stage = FeatureStage(spec["features"], spec.get("tracing"), serving.matrix_retain_s)
+        explainer = ReasonExplainer(self._spec, self._runners) if self._spec.reasons is not None else None
+        self._shadows = Shadows(self._spec, self._runners)
+        self._audit = await asyncio.to_thread(audit_writer, self._spec)
+        self._flow = DecisionFlow(
+            self._spec,
+            models=guarded,
+            local_stage=local_stage,
+            stage_handle=features,
+            recorder=recorder,
+            explainer=explainer,
+            shadows=self._shadows,
+            audit=self._audit,
+        )
+        self._local_stage = local_stage
+        self._features = features
+        self.metrics: PipelineMetrics = self._flow.metrics
+        self._draining = False
+        self._remote_ready = not self._remote
+        self._remote_versions: dict[str, str] = {}
+        """Each remote model's serving version as of the last health probe (``Describe`` answers from it)."""
+        admission = Admission(serving.ingress.max_ongoing_requests, serving.ingress.max_queued_requests)
+        self._front_door = FrontDoor(self, serving.grpc, admission)
+        self._refresher: asyncio.Task[None] | None = None
+        if not self._runners:  # nothing to load first: serve now (reconfigure may never come)
+            await self._open()
+
+    # -- Serve's hooks ---------------------------------------------------------------------------------
+
+    async def reconfigure(self, config: dict[str, Any]) -> None:
+        """Serve's ``user_config`` hook, applied to every ingress replica in place (nothing restarts).
+
+        ``draining``: health reports NOT_SERVING (before a shutdown), so load balancers move away.
+        ``artifacts``: what each model placed in the ingress serves (deploy, hot swap, learner publish);
+        each flips atomically, calls in flight finish on the version they started with.
+        ``shadows``: candidates scoring a sample of live decisions beside a model (``riskserve shadow``).
+        """
+        self._draining = bool(config.get("draining", False))
+        artifacts: dict[str, str] = dict(config.get("artifacts") or {})
+        for name, runner in self._runners.items():
+            artifact = artifacts.get(name) or str(self._spec.artifact_path(name))
+            await runner.serve(artifact)
+        await self._shadows.configure(dict(config.get("shadows") or {}))
+        await self._open()
+        await self._report_health()
+
+    async def _open(self) -> None:
+        """Start the front door once every model placed here is loaded, and the health refresher."""
+        if self._refresher is None:
+            await self._front_door.start()
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_health())
+
+    def check_health(self) -> None:
+        """Serve's liveness probe: every model placed here is loaded and the front door is up."""
+        for name, runner in self._runners.items():
+            if not runner.ready:
+                raise ModelUnavailable(f"model '{name}' is not ready")
+        if self._refresher is not None and self._refresher.done():
+            raise ModelUnavailable("the health refresher stopped")
+
+    async def __del__(self) -> None:
+        """Serve awaits this at replica shutdown: drain the front door, then unload the models."""
+        if self._refresher is not None:
+            self._refresher.cancel()
+        await asyncio.shield(self._front_door.stop())
+        await asyncio.shield(self._shadows.stop())
+        for runner in self._runners.values():
+            await asyncio.shield(runner.stop())
+        if self._audit is not None:  # after the drain: every answered decision is in the store
+            await asyncio.to_thread(self._audit.close)
+        await asyncio.to_thread(shutdown_tracing)
+
+    # -- health -------------------------------------------------------------------------------------------
+
+    async def _refresh_health(self) -> None:
+        while True:
+            try:
+                await self._probe_remote()
+                await self._report_health()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("health refresh failed")
+            await asyncio.sleep(HEALTH_REFRESH_S)
+
+    async def _probe_remote(self) -> None:
+        if not self._remote:
+            return
+        for name, lanes in self._lanes.items():
+            try:
+                await lanes.refresh()
+            except Exception:
+                logger.warning("could not refresh the lanes of model '%s'", name, exc_info=True)
+        try:
+            statuses = await asyncio.wait_for(
+                asyncio.gather(*(handle.metadata.remote() for handle in self._remote.values())),
+                timeout=HEALTH_PROBE_TIMEOUT_S,
+            )
+            self._remote_ready = all(status.ready for status in statuses)
+            for name, status in zip(self._remote, statuses, strict=True):
+                self._remote_versions[name] = str(status.version or "")
+        except Exception:
+            self._remote_ready = False
+
+    def serving(self) -> bool:
+        """Whether this replica answers SERVING: not draining, every model loaded and ready."""
+        local = all(runner.ready for runner in self._runners.values())
+        return local and self._remote_ready and not self._draining
+
+    async def _report_health(self) -> None:
+        await self._front_door.set_serving(self.serving())
+
+    # -- the front door's calls ------------------------------------------------------------------------
+
+    async def decide(self, requests: Any, trace_id: str, deadline: float, traced: bool) -> Any:
+        """Decide a batch (the front door's Decide and DecideBatch)."""
+        return await self._flow.decide(requests, trace_id, deadline, traced)
+
+    async def describe(self) -> pb.DescribeResponse:
+        """The pipeline's features and models with their serving versions, from the state this replica
+        keeps (models in the ingress: their runner; the others: the last health probe, at most
+        ``HEALTH_REFRESH_S`` old), so a flood of ``Describe`` never fans out to the model replicas."""
+        versions = {name: str(runner.status().version or "") for name, runner in self._runners.items()}
+        for name in self._remote:
+            versions[name] = self._remote_versions.get(name, "")
+        return describe_response(self._spec, versions)
+
+    async def feedback(
+        self, request: pb.FeedbackRequest, caller: Caller | None = None
+    ) -> pb.FeedbackResponse:
+        """Record the true outcome of a past decision; answered only once the label is durable.
+
+        The decision is ``decision_id`` (the id its Decide answer gave) or, for older clients, the one
+        decision made for ``request_id``.
+
+        ``caller``: the authenticated caller when the front door checks tokens; the label's source is then
+        its identity (:func:`~riskserve.serving.auth.label_source`), else the request's ``source``.
+
+        A retried ``feedback_id`` answers ``duplicate=true`` and is applied once. Errors: no such decision
+        (NOT_FOUND), label not 0/1 or empty ids (INVALID_ARGUMENT, field named), the id reused for another
+        label (ABORTED), a decision already labelled with the other value (ALREADY_EXISTS), the source
+        or all sources over their rate (RESOURCE_EXHAUSTED), the log unreachable (UNAVAILABLE),
+        no feedback in this pipeline (UNIMPLEMENTED).
+        """
+        recorder = self._flow.recorder
+        if self._feedback is None or recorder is None:
+            raise _Unimplemented(
+                f"pipeline '{self.name}' keeps no feedback (its YAML has no 'feedback' section)"
+            )
+        if request.label not in (0, 1):
+            raise InvalidInput(f"must be 0 or 1, got {request.label}", field="label")
+        source = label_source(request.source, caller)
+        try:  # a label sent right after its decision must find it: send this replica's buffer first
+            await asyncio.wait_for(recorder.flush(), timeout=FEEDBACK_FLUSH_TIMEOUT_S)
+        except Exception as error:
+            raise ModelUnavailable(f"the feedback log is unreachable: {error}") from error
+        try:
+            ack = await self._feedback.record_feedback.remote(
+                request.request_id,
+                int(request.label),
+                request.feedback_id,
+                source,
+                decision_id=request.decision_id,
+            )
+        except Exception as error:
+            if isinstance(getattr(error, "cause", error), RiskServeError):
+                raise  # the service's own verdict (NOT_FOUND, ABORTED, ...); status_of unwraps it
+            raise ModelUnavailable(f"the feedback log is unreachable: {error}") from error
+        if ack["accepted"] and not ack["duplicate"]:
+            self._shadows.label(request.decision_id or request.request_id, int(request.label))
+        return pb.FeedbackResponse(
+            accepted=ack["accepted"],
+            duplicate=ack["duplicate"],
+            model_version=ack["model_version"],
+            seq=ack["seq"],
+        )
+
+    # -- operators' calls (Serve handles) ----------------------------------------------------------------
+
+    def endpoint(self) -> str:
+        """``HOST:PORT`` this replica's front door serves."""
+        return f"{self._spec.serving.grpc.host}:{self._front_door.port}"
+
+    def draining(self) -> bool:
+        """Whether this pipeline is draining (before a shutdown); a redeploy must keep it so."""
+        return self._draining
+
+    async def model_status(self, name: str) -> ModelStatus:
+        """What a model serves now, wherever it runs (a model in a deployment: one of its replicas)."""
+        runner = self._runners.get(name)
+        if runner is not None:
+            return runner.status()
+        handle = self._remote.get(name)
+        if handle is None:
+            raise NotFound(f"pipeline '{self.name}' has no model '{name}'")
+        status: ModelStatus = await handle.metadata.remote()
+        return status
+
+    async def verify_candidate(self, name: str, artifact: str) -> CandidateReport:
+        """Load ``artifact`` beside model ``name``'s serving version and check it, without serving it."""
+        runner = self._runners.get(name)
+        if runner is not None:
+            return await runner.verify_candidate(artifact)
+        handle = self._remote.get(name)
+        if handle is None:
+            raise NotFound(f"pipeline '{self.name}' has no model '{name}'")
+        report: CandidateReport = await handle.verify_candidate.remote(artifact)
+        return report
+
+    async def model_versions(self) -> dict[str, str]:
+        """Each model's serving version."""
+        names = list(self._spec.models)
+        statuses = await asyncio.gather(*(self.model_status(n) for n in names))
+        return {name: str(status.version or "") for name, status in zip(names, statuses, strict=True)}
+
+    async def learning_status(self) -> dict[str, Any]:
+        """The feedback service's status (cursor, pending labels, batch outcomes per online model)."""
+        if self._feedback is None:
+            raise InvalidInput(f"pipeline '{self.name}' has no feedback section", field="feedback")
+        recorder = self._flow.recorder
+        status: dict[str, Any] = await self._feedback.status.remote()
+        status["decisions_buffered"] = recorder.buffered if recorder else 0
+        status["decisions_dropped"] = recorder.dropped if recorder else 0
+        return status
+
+    def audit_status(self) -> AuditCounts | None:
+        """What this replica's audit writer did (``None``: the pipeline keeps no trail)."""
+        return None if self._audit is None else self._audit.counts()
+
+    async def audit_flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every decision this replica made is in its audit store (drills, tests)."""
+        return self._audit is None or await asyncio.to_thread(self._audit.flush, timeout_s)
+
+    def lane_use(self) -> dict[str, LaneUse]:
+        """Per model in its own deployment: the lanes this replica holds and the calls each path took."""
+        uses = {}
+        for name, model in self._flow.models.items():
+            endpoint = model.endpoint
+            if isinstance(endpoint, RemoteEndpoint):
+                lanes = len(endpoint.lanes) if endpoint.lanes is not None else 0
+                uses[name] = LaneUse(lanes, endpoint.lane_calls, endpoint.handle_calls)
+        return uses
+
+    def shadow_config(self) -> dict[str, dict[str, Any]]:
+        """The shadows this replica was asked to run (a redeploy must keep them)."""
+        return self._shadows.config()
+
+    async def shadow_status(self) -> list[ShadowFigures]:
+        """Every shadow's comparison figures in this replica."""
+        statuses = {name: runner.status() for name, runner in self._runners.items()}
+        versions = {name: str(status.version or "") for name, status in statuses.items()}
+        replica = next((status.actor_id for status in statuses.values()), "")
+        return [f.model_copy(update={"replica": replica}) for f in self._shadows.figures(versions)]
+
+    def breaker_states(self) -> dict[str, str]:
+        """Each model's breaker state in this ingress replica."""
+        return {name: str(model.breaker.state) for name, model in self._flow.models.items()}
+
+    async def feature_stats(self) -> dict[str, Any]:
+        """The feature stage's counters (tests prove it ran once per decision)."""
+        if self._local_stage is not None:  # the batch id is that of the last matrix this ingress shared
+            return {**self._local_stage.stats(), "last_batch_id": self._sharer.last_batch_id}
+        stats: dict[str, Any] = await self._features.stats.remote()
+        return stats
+
+
+class _Unimplemented(RiskServeError):
+    """An RPC this pipeline does not offer (``Feedback`` without a ``feedback`` section)."""
+
+    grpc_status = grpc.StatusCode.UNIMPLEMENTED

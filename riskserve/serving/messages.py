@@ -1,0 +1,78 @@
+"""Conversions between the gRPC messages of ``riskserve.v1`` and riskserve's own types."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from riskserve.features.encoder import RawRequest
+from riskserve.features.spec import CategoricalField, NumericField
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.schema.pipeline import PipelineSpec
+from riskserve.schema.rules import Decision, ModelResult
+from riskserve.serving.reasons import Reason
+
+__all__ = ["decide_response", "describe_response", "raw_request"]
+
+
+def raw_request(request: pb.DecideRequest) -> RawRequest:
+    """The feature part of a ``DecideRequest``."""
+    return RawRequest(numeric=dict(request.numeric), categorical=dict(request.categorical), text=request.text)
+
+
+def decide_response(
+    *,
+    request_id: str,
+    decision_id: str = "",
+    decision: Decision,
+    results: Mapping[str, ModelResult],
+    spec: PipelineSpec,
+    trace_id: str,
+    top_reasons: Sequence[Reason] = (),
+) -> pb.DecideResponse:
+    """A ``DecideResponse`` with one ``ModelScore`` per model, in the pipeline's model order."""
+    return pb.DecideResponse(
+        request_id=request_id,
+        decision_id=decision_id,
+        decision=decision.outcome,
+        risk_score=decision.risk_score,
+        models=[
+            pb.ModelScore(
+                model=r.name,
+                version=r.version,
+                score=r.score,
+                label=r.label,
+                fallback=r.fallback,
+                fallback_reason=r.fallback_reason,
+                latency_ms=r.latency_ms,
+            )
+            for r in (results[name] for name in spec.models)
+        ],
+        reasons=decision.reasons,
+        pipeline=spec.name,
+        pipeline_version=spec.version,
+        trace_id=trace_id,
+        top_reasons=[
+            pb.Reason(field=r.field, text=r.text, contribution=r.contribution, model=r.model, value=r.value)
+            for r in top_reasons
+        ],
+    )
+
+
+def describe_response(spec: PipelineSpec, versions: Mapping[str, str]) -> pb.DescribeResponse:
+    """The pipeline's features and models, with each model's serving version."""
+    features = []
+    for name, field in spec.features.fields.items():
+        info = pb.FeatureInfo(name=name, kind=field.kind, required=field.required)
+        if isinstance(field, NumericField):
+            if field.min is not None:
+                info.min = field.min
+            if field.max is not None:
+                info.max = field.max
+        elif isinstance(field, CategoricalField):
+            info.categories.extend(field.vocabulary)
+        features.append(info)
+    models = [
+        pb.ModelInfo(name=name, kind=m.kind, version=versions.get(name, ""), pool=m.pool, replicas=m.replicas)
+        for name, m in spec.models.items()
+    ]
+    return pb.DescribeResponse(pipeline=spec.name, version=spec.version, features=features, models=models)

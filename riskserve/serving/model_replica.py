@@ -1,0 +1,163 @@
+"""The Ray Serve replica that hosts a model in a deployment of its own: the same runner as in the ingress.
+
+A model placed ``deployment`` (the LLM, by default) runs here: a Serve replica around one
+:class:`~riskserve.platform.runner.ModelRunner`, so it has exactly the hot swap, checks and metrics of a
+model running inside the ingress. It reads a large feature matrix from Ray's object store without copying
+it (same node), or takes a small one by value, and with ``batching`` set, concurrent calls' texts reach
+the backend as one batch (Serve's ``@serve.batch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Any
+
+from ray import serve
+
+from riskserve.platform.errors import ModelUnavailable
+from riskserve.platform.runner import CandidateReport, ModelAnswer, ModelRunner, ModelStatus
+from riskserve.platform.shared_matrix import InputInfo, InputSeen, SharedMatrix
+from riskserve.platform.tracing import (
+    SPAN_MODEL_PREDICT,
+    SpanKind,
+    TracingSettings,
+    configure_tracing,
+    extract,
+    shutdown_tracing,
+    start_span,
+)
+from riskserve.platform.validation import FeatureMatrix
+from riskserve.wrappers import backend
+
+__all__ = ["InputInfo", "ModelReplica", "SharedMatrix"]
+
+_INPUTS_KEPT = 256
+
+
+def _texts_in(calls: list[list[str]]) -> int:
+    return sum(len(texts) for texts in calls)
+
+
+class ModelReplica:
+    """Hosts one model of any backend in a Serve replica (the class Serve deploys, once per model).
+
+    The artifact comes through Serve's ``user_config`` (``{"artifact": PATH}``), so swapping it is a
+    ``reconfigure`` of the running replicas, never a restart (see :class:`ModelRunner`).
+    """
+
+    # Serve awaits an async constructor, then calls reconfigure(user_config) before the replica is ready.
+    async def __init__(  # type: ignore[misc]
+        self,
+        name: str,
+        kind: str,
+        settings: dict[str, Any],
+        columns: list[str] | None,
+        declared: list[str] | None = None,
+        tracing: dict[str, Any] | None = None,
+        batching: dict[str, Any] | None = None,
+    ) -> None:
+        """``columns``: the shared matrix's; ``declared``: what the pipeline says the model reads;
+        ``batching``: ``{max_batch_size, max_wait_ms}`` to batch concurrent text calls."""
+        configure_tracing(TracingSettings.model_validate(tracing or {}))
+        self._runner = ModelRunner(
+            name, kind, settings, columns, declared, backends=backend, placement="deployment"
+        )
+        self._inputs: OrderedDict[str, InputSeen] = OrderedDict()
+        self._batching = batching
+        if batching is not None:
+            batched: Any = self._texts_batched  # Serve's batch wrapper has setters mypy cannot see
+            batched.set_max_batch_size(int(batching["max_batch_size"]))
+            batched.set_batch_wait_timeout_s(float(batching["max_wait_ms"]) / 1e3)
+        if "artifact" in settings:  # deployed without a user_config: load now
+            await self._runner.serve(str(settings["artifact"]))
+
+    async def reconfigure(self, config: dict[str, Any]) -> None:
+        """Serve's ``user_config`` hook: serve ``config["artifact"]`` (see :meth:`ModelRunner.serve`)."""
+        artifact = config.get("artifact")
+        if artifact is not None:
+            await self._runner.serve(str(artifact))
+
+    async def verify_candidate(self, artifact: str) -> CandidateReport:
+        """Load ``artifact`` beside the serving version and check it, without serving it."""
+        return await self._runner.verify_candidate(artifact)
+
+    async def predict_features(
+        self, matrix: SharedMatrix | FeatureMatrix, trace: dict[str, str] | None = None
+    ) -> ModelAnswer:
+        """Score the rows of a feature matrix: shared through the object store, or sent by value."""
+        rows = matrix.rows if isinstance(matrix, SharedMatrix) else int(matrix.shape[0])
+        with self._span(trace, rows) as span:
+            if isinstance(matrix, SharedMatrix):
+                array: FeatureMatrix = await matrix.ref
+                self._inputs[matrix.batch_id] = InputSeen.of(
+                    array, copied_for_columns=self._runner.selects_columns()
+                )
+                while len(self._inputs) > _INPUTS_KEPT:
+                    self._inputs.popitem(last=False)
+            else:
+                array = matrix
+            answer = await self._runner.predict_matrix(array)
+            span.set_attribute("model.version", answer.version)
+            return answer
+
+    async def predict_texts(self, texts: list[str], trace: dict[str, str] | None = None) -> ModelAnswer:
+        """Label a batch of texts; with ``batching``, together with other calls' texts (a call that fills a
+        batch by itself, such as a large ``DecideBatch``, goes straight to the backend)."""
+        with self._span(trace, len(texts)) as span:
+            if self._batching is None or len(texts) >= int(self._batching["max_batch_size"]):
+                answer = await self._runner.predict_texts(texts)  # a whole batch already: no waiting
+            else:
+                answer = await self._texts_batched(texts)
+            span.set_attribute("model.version", answer.version)
+            return answer
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002, batch_size_fn=_texts_in)
+    async def _texts_batched(self, calls: list[list[str]]) -> list[ModelAnswer]:
+        """Concurrent calls' texts as one backend call, split back per call (sizes counted in texts)."""
+        flat = [text for texts in calls for text in texts]
+        whole = await self._runner.predict_texts(flat)
+        answers, start = [], 0
+        for texts in calls:
+            end = start + len(texts)
+            answers.append(
+                ModelAnswer(
+                    model=whole.model,
+                    version=whole.version,
+                    scores=whole.scores[start:end],
+                    labels=None if whole.labels is None else whole.labels[start:end],
+                    latency_ms=whole.latency_ms,
+                    extra={**whole.extra, "batched_with": len(flat)},
+                )
+            )
+            start = end
+        return answers
+
+    def _span(self, trace: dict[str, str] | None, rows: int) -> Any:
+        attributes: dict[str, str | int] = {
+            "model.name": self._runner.name,
+            "model.kind": self._runner.kind,
+            "rows": rows,
+        }
+        return start_span(
+            SPAN_MODEL_PREDICT, context=extract(trace), kind=SpanKind.SERVER, attributes=attributes
+        )
+
+    def metadata(self) -> ModelStatus:
+        """What this replica serves (version, artifact, readiness, calls) and which process it is."""
+        return self._runner.status()
+
+    def input_info(self, batch_id: str) -> InputInfo | None:
+        """How this replica received a recent shared batch (kept for the last 256 batches)."""
+        seen = self._inputs.get(batch_id)
+        return None if seen is None else seen.resolve()
+
+    def check_health(self) -> None:
+        """Serve's health probe: an unready model makes the replica unhealthy so Serve replaces it."""
+        if not self._runner.ready:
+            raise ModelUnavailable(f"model '{self._runner.name}' is not ready")
+
+    async def __del__(self) -> None:
+        """Serve awaits this at replica shutdown: unload the model (vLLM frees its engine)."""
+        await asyncio.shield(self._runner.stop())
+        await asyncio.to_thread(shutdown_tracing)

@@ -1,0 +1,170 @@
+"""Reason codes: which request fields pushed a decision's score up, by how much, in the YAML's words.
+
+Computed in the ingress, where the models live, after the rules decided, and only for the outcomes the
+pipeline's ``reasons.for`` lists, so an APPROVE pays nothing. Each tabular model attributes its margin
+(log-odds) exactly to its columns (:meth:`ModelRunner.contributions`); the columns are summed back to the
+request field that produced them (a one-hot block to its categorical field, a transformed column to its
+numeric field), so contributions plus the model's bias equal its margin. The text model contributes its
+label and score when the YAML gives that label a text.
+
+A reason names one field once: across models, a field's strongest positive contribution is the one kept,
+then the fields are ranked by it. The text model's reason, when there is one, comes first (its
+``contribution`` is the label's probability, not log-odds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from riskserve.features.encoder import ValidRow
+from riskserve.platform.errors import ConfigError
+from riskserve.platform.runner import ModelRunner
+from riskserve.platform.validation import FeatureMatrix
+from riskserve.schema.pipeline import Outcome, PipelineSpec, ReasonsSpec
+from riskserve.schema.rules import ModelResult
+
+__all__ = ["Reason", "ReasonExplainer", "field_map"]
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One reason of a decision: the field, its words, how much it raised the model's score, and which."""
+
+    field: str
+    text: str
+    contribution: float
+    """Log-odds added to ``model``'s margin by this field (the text model: its label's probability)."""
+    model: str
+    value: str = ""
+    """The field's value as the caller sent it (the text model: its label)."""
+
+
+def field_map(
+    columns: Sequence[str], column_fields: Mapping[str, str], fields: Sequence[str]
+) -> NDArray[np.float64]:
+    """The 0/1 matrix (columns × fields) that sums per-column attributions into per-field ones.
+
+    Raises:
+        ConfigError: a column the features do not produce.
+    """
+    index = {name: j for j, name in enumerate(fields)}
+    out = np.zeros((len(columns), len(fields)), dtype=np.float64)
+    for i, column in enumerate(columns):
+        field = column_fields.get(column)
+        if field is None:
+            raise ConfigError(f"column '{column}' is not produced by the features")
+        out[i, index[field]] = 1.0
+    return out
+
+
+class ReasonExplainer:
+    """Computes the reasons of decided rows, from the runners of the models placed in the ingress."""
+
+    def __init__(self, spec: PipelineSpec, runners: Mapping[str, ModelRunner]) -> None:
+        if spec.reasons is None:
+            raise ConfigError(f"pipeline '{spec.name}' has no reasons section")
+        self.settings: ReasonsSpec = spec.reasons
+        self.outcomes: frozenset[Outcome] = frozenset(self.settings.for_)
+        chosen = self.settings.models
+        self._tabular = {
+            name: runner
+            for name, runner in runners.items()
+            if (chosen is None or name in chosen) and spec.models[name].kind in ("treelite", "sklearn")
+        }
+        self._text_models = [
+            name
+            for name, model in spec.models.items()
+            if model.reads_text and (chosen is None or name in chosen)
+        ]
+        self._text_field = spec.features.text_field or "text"
+        self._column_fields = spec.features.column_fields()
+        self._fields = [name for name in spec.features.fields if name != spec.features.text_field]
+        self._maps: dict[tuple[str, tuple[str, ...]], NDArray[np.float64]] = {}
+        self.inline = all(runner.kind == "sklearn" for runner in self._tabular.values())
+        """Whether the work is microseconds (coefficients only) and may run on the event loop; trees'
+        TreeSHAP takes about a millisecond a row and runs in a worker thread."""
+        self.rows_explained = 0
+        """Rows this explainer computed reasons for (tests prove an APPROVE costs nothing)."""
+
+    def wanted(self, outcome: str) -> bool:
+        """Whether decisions of ``outcome`` carry reasons."""
+        return outcome in self.outcomes
+
+    def field_contributions(self, name: str, matrix: FeatureMatrix) -> tuple[NDArray[np.float64], str]:
+        """One model's per-field contributions of every row (rows × fields, fields in spec order), and the
+        version that computed them."""
+        contributions = self._tabular[name].contributions(matrix)
+        key = (name, contributions.columns)
+        mapping = self._maps.get(key)
+        if mapping is None:
+            mapping = field_map(contributions.columns, self._column_fields, self._fields)
+            self._maps[key] = mapping
+        return contributions.values @ mapping, contributions.version
+
+    def explain(
+        self,
+        matrix: FeatureMatrix,
+        rows: Sequence[ValidRow],
+        results: Sequence[Mapping[str, ModelResult]],
+    ) -> list[list[Reason]]:
+        """The reasons of each row of ``matrix`` (blocking; see :attr:`inline`).
+
+        A model that fell back for a row, or whose serving version changed since it scored the row (a
+        swap in between), gives that row no reasons.
+        """
+        per_model = {name: self.field_contributions(name, matrix) for name in self._tabular}
+        top = self.settings.top
+        out: list[list[Reason]] = []
+        for i, (row, answers) in enumerate(zip(rows, results, strict=True)):
+            reasons = self._text_reasons(answers)
+            best: dict[str, tuple[float, str]] = {}
+            for name, (values, version) in per_model.items():
+                result = answers.get(name)
+                if result is None or result.fallback or result.version != version:
+                    continue
+                for j, value in enumerate(values[i].tolist()):
+                    field = self._fields[j]
+                    if value > self.settings.min_contribution and value > best.get(field, (-math.inf, ""))[0]:
+                        best[field] = (value, name)
+            ranked = sorted(best.items(), key=lambda item: -item[1][0])
+            for field, (value, name) in ranked[: max(top - len(reasons), 0)]:
+                reasons.append(
+                    Reason(
+                        field=field,
+                        text=self.settings.texts.get(field, field),
+                        contribution=value,
+                        model=name,
+                        value=_value(row, field),
+                    )
+                )
+            out.append(reasons[:top])
+        self.rows_explained += len(out)
+        return out
+
+    def _text_reasons(self, answers: Mapping[str, ModelResult]) -> list[Reason]:
+        reasons = []
+        for name in self._text_models:
+            result = answers.get(name)
+            if result is None or result.fallback or result.label not in self.settings.labels:
+                continue
+            reasons.append(
+                Reason(
+                    field=self._text_field,
+                    text=self.settings.labels[result.label],
+                    contribution=result.score,
+                    model=name,
+                    value=result.label,
+                )
+            )
+        return reasons
+
+
+def _value(row: ValidRow, field: str) -> str:
+    if field in row.numeric:
+        return f"{row.numeric[field]:g}"
+    return row.categorical.get(field, "")
