@@ -48,6 +48,7 @@ bench: models
 	$(BIN)/python bench/hotpath.py --models $(MODELS)
 	$(BIN)/python bench/reasons.py --models $(MODELS)
 	$(BIN)/python bench/shadow.py --models $(MODELS)
+	$(BIN)/python bench/audit.py
 
 # riskserve side by side with MLServer, KServe, Triton (PyTriton) and plain Ray Serve, in one run
 # (BENCHMARKS.md). Each peer installs on first use into its own venv under ~/.cache/riskserve/peers.

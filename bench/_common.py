@@ -65,7 +65,8 @@ def plot_latency(out_dir: Path, name: str, series: dict[str, dict[int, float]], 
 
 def write_local_pipeline(data: dict[str, Any], models: Path, run_dir: Path, stem: str) -> Path:
     """A pipeline document made to run from a scratch directory: artifacts at absolute paths into
-    ``models``; its feedback log, learned versions and traces under ``run_dir``, named from ``stem``.
+    ``models``; its feedback log, audit trail, learned versions and traces under ``run_dir``, named from
+    ``stem``.
     Written as ``run_dir/STEM.yaml``, whose path is returned (a benchmark never writes into ``var/``)."""
     import yaml
 
@@ -75,6 +76,8 @@ def write_local_pipeline(data: dict[str, Any], models: Path, run_dir: Path, stem
             model["online"]["artifact_dir"] = str(run_dir / f"{stem}-learned" / model_name)
     if "feedback" in data:
         data["feedback"]["log_path"] = str(run_dir / f"{stem}-feedback.sqlite")
+    if "audit" in data:
+        data["audit"]["path"] = str(run_dir / f"{stem}-audit")
     tracing = data.get("tracing", {})
     if tracing.get("file_path"):
         tracing["file_path"] = str(run_dir / f"{stem}-traces.jsonl")

@@ -6,6 +6,7 @@ Systems (``--systems``, in this order):
   * ``tabular_plain``: ``tabular_only`` without its ``reasons`` section: the floor's work exactly;
   * ``tabular_only``: ``riskserve up deploy/pipelines/tabular_only.yaml --grpc-port P`` as shipped (reason
     codes for DECLINE and REVIEW);
+  * ``tabular_audit``: ``tabular_only`` with the decision audit trail on (``audit:``, its defaults);
   * ``card_fraud``: the same with the vLLM intent model (requests carry text; the engine takes minutes to
     start on CPU, up to 10 are allowed);
   * ``card_fraud_batched``: ``card_fraud`` with adaptive batching on the intent model
@@ -57,24 +58,30 @@ from bench._procs import TreeSample, cpu_delta, descendants, rss_bytes, sample_t
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 PIPELINES = ROOT / "deploy" / "pipelines"
-SYSTEMS = ("floor", "tabular_plain", "tabular_only", "card_fraud", "card_fraud_batched", "vllm_bare")
-GRPC_SYSTEMS = ("floor", "tabular_plain", "tabular_only", "card_fraud", "card_fraud_batched")
+SYSTEMS = (
+    "floor", "tabular_plain", "tabular_only", "tabular_audit", "card_fraud", "card_fraud_batched", "vllm_bare"
+)  # fmt: skip
+GRPC_SYSTEMS = ("floor", "tabular_plain", "tabular_only", "tabular_audit", "card_fraud", "card_fraud_batched")
 LLM_SYSTEMS = ("card_fraud", "card_fraud_batched")
 
 
 @dataclass(frozen=True)
 class Variant:
     """A system that is a shipped pipeline changed: some models' fields set, some top-level sections
-    dropped."""
+    dropped or added."""
 
     pipeline: str
     models: dict[str, dict[str, Any]]
     drop: tuple[str, ...] = ()
+    add: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 VARIANTS: dict[str, Variant] = {
     # The floor's work exactly: no reason codes (a DECLINE or REVIEW pays ~2.5 ms of TreeSHAP for them).
     "tabular_plain": Variant("tabular_only", {}, drop=("reasons",)),
+    # tabular_only with the decision audit trail (as card_fraud ships it: write-ahead journal, SQLite in a
+    # background thread): what keeping every decision costs.
+    "tabular_audit": Variant("tabular_only", {}, add=(("audit", {"path": "audit"}),)),
     "card_fraud_batched": Variant(
         "card_fraud", {"intent": {"batching": {"max_batch_size": 8, "max_wait_ms": 2}}}
     ),
@@ -210,6 +217,8 @@ def pipeline_copy(name: str, models: Path, run_dir: Path) -> Path:
         data["models"][model_name].update(fields)
     for section in variant.drop:
         data.pop(section, None)
+    for section, value in variant.add:
+        data[section] = dict(value)
     return write_local_pipeline(data, models, run_dir, name)
 
 

@@ -8,6 +8,8 @@ riskserve status
 riskserve down
 riskserve shadow PIPELINE MODEL CANDIDATE    score a candidate beside a model on live traffic (status,
                                              promote, stop)
+riskserve audit show ID                      one decision's audit record (and its label)
+riskserve audit export --since 24h --format parquet --out FILE
 riskserve export serve-config PIPELINE.yaml  print a `serve deploy`-able config
 riskserve demo                               the whole story on real gRPC
 """
@@ -228,6 +230,23 @@ def _shadow(args: argparse.Namespace) -> int:
     )
 
 
+def _audit(args: argparse.Namespace) -> int:
+    """``audit show ID`` and ``audit export --since T [--until T] --format F --out FILE``."""
+    import time
+
+    from riskserve.operations import audit_cli
+
+    trail = audit_cli.find_trail(args.pipeline, args.dir)
+    if args.audit_command == "show":
+        print(audit_cli.dumps(audit_cli.show_audit(trail, args.decision_id)))
+        return 0
+    since = audit_cli.parse_time(args.since, field="--since")
+    until = audit_cli.parse_time(args.until, field="--until") if args.until else time.time() + 1
+    count = audit_cli.export_audit(trail, since, until, args.format, args.out)
+    print(f"{count} decisions written to {args.out} ({args.format})")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     import yaml
 
@@ -351,6 +370,22 @@ def _parser() -> argparse.ArgumentParser:
     shadow.add_argument("words", nargs="+", metavar="ARG")
     shadow.add_argument("--sample", type=float, default=0.2, help="share of live decisions (default 0.2)")
     shadow.set_defaults(handler=_shadow)
+
+    audit = commands.add_parser("audit", help="the decision audit trail: show one decision, export a period")
+    audit_commands = audit.add_subparsers(dest="audit_command", required=True)
+    show = audit_commands.add_parser("show", help="print one decision's record (and its label, if any)")
+    show.add_argument("decision_id", metavar="ID", help="the decision_id the Decide answer gave")
+    dump = audit_commands.add_parser("export", help="write the decisions of a period as Parquet or CSV")
+    dump.add_argument("--since", required=True, help="ISO 8601 (UTC unless zoned) or ago: 30m, 24h, 7d")
+    dump.add_argument("--until", help="ISO 8601 or a time ago (default: now)")
+    dump.add_argument("--format", choices=["parquet", "csv"], default="parquet")
+    dump.add_argument("--out", type=Path, required=True, help="the file to write (mode 0600)")
+    for sub in (show, dump):
+        sub.add_argument(
+            "--pipeline", help="its YAML file, or the name of a running pipeline (default: the only one)"
+        )
+        sub.add_argument("--dir", type=Path, help="read this audit directory instead")
+        sub.set_defaults(handler=_audit)
 
     export = commands.add_parser("export", help="generate deployment files")
     export_commands = export.add_subparsers(dest="export_command", required=True)

@@ -47,6 +47,8 @@ def _pipeline_file(pipeline: Path, models: Path) -> Path:
         if log.parent.exists():
             shutil.rmtree(log.parent)
         data["feedback"]["log_path"] = str(log)
+    if "audit" in data:  # the trail stays where the YAML keeps it (``var/audit/``), across demo runs
+        data["audit"]["path"] = str((pipeline.parent / data["audit"]["path"]).resolve())
     target = state_dir() / f"demo-{pipeline.name}"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -85,6 +87,24 @@ def _print_reasons(response: pb.DecideResponse | None) -> None:
           "the intent's probability):")  # fmt: skip
     for line in reason_lines(response) or ["(none: the pipeline lists no reasons for DECLINE)"]:
         print(f"  {line}")
+
+
+def _audit(pipeline_file: Path, response: pb.DecideResponse | None) -> None:
+    """The declined decision as the audit trail keeps it (what ``riskserve audit show ID`` prints)."""
+    from riskserve.operations.audit_cli import find_trail, show_audit
+
+    if response is None:
+        return
+    try:
+        record = show_audit(find_trail(str(pipeline_file)), response.decision_id)
+    except Exception as error:  # the demo goes on: say what is missing
+        print(f"\naudit trail: {type(error).__name__}: {error}")
+        return
+    models = ", ".join(f"{m['model']} {m['version'][:12]} {m['score']:.3f}" for m in record["models"])
+    print(f"\naudit trail (riskserve audit show {record['decision_id']}): {record['outcome']} at "
+          f"{record['decided_at_utc']}, {models}; rules {record['rules']}, {len(record['top_reasons'])} "
+          f"reason codes, {len(record['inputs']['numeric']) + len(record['inputs']['categorical'])} input "
+          f"fields and the text, trace {record['trace_id']}")  # fmt: skip
 
 
 def _fraud_version(client: RiskClient, row: dict[str, float | str]) -> str:
@@ -213,6 +233,7 @@ def run_demo(*, models: Path, pipeline: Path, grpc_port: int) -> int:
                 if declined is None and response.decision == pb.DECLINE:
                     declined = response
             _print_reasons(declined)
+            _audit(path, declined)
             print("\nmalformed requests are refused before any model runs:")
             for label, body in MALFORMED:
                 try:

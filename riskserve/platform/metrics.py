@@ -39,6 +39,10 @@ Online learning (tags ``pipeline`` and ``model`` or ``reason``; recorded by the 
     ray_riskserve_learning_paused{pipeline,model}                   1 paused (drift bound reached), 0 not
     ray_riskserve_learning_drift{pipeline,model}                    L2 drift of the serving version
 
+Audit trail (tag ``pipeline``; recorded by each ingress replica's audit writer)::
+
+    ray_riskserve_audit_records_total{pipeline,outcome}             written | replayed | spilled | dropped
+
 Callers stay one-liners::
 
     metrics = ModelMetrics("fraud", "treelite")
@@ -84,6 +88,8 @@ from typing import Any, Final, Literal
 
 __all__ = [
     "ALL_METRICS",
+    "AUDIT_OUTCOMES",
+    "AUDIT_RECORDS",
     "BATCH_ROWS_BUCKETS",
     "BREAKER_STATE_VALUES",
     "DECISIONS",
@@ -116,6 +122,7 @@ __all__ = [
     "SHADOW_FIGURE",
     "SHADOW_FLIPS",
     "SHADOW_LATENCY",
+    "AuditMetrics",
     "DecisionOutcome",
     "FallbackReason",
     "LabelRefusal",
@@ -363,6 +370,15 @@ LEARNING_DRIFT: Final = MetricSpec(
     "L2 norm of the serving online version's coefficient change from its served baseline.",
     ("pipeline", "model"),
 )
+AUDIT_OUTCOMES: Final = ("written", "replayed", "spilled", "dropped")
+AUDIT_RECORDS: Final = MetricSpec(
+    "riskserve_audit_records",
+    "counter",
+    "Decision audit records of an ingress replica: written (to the store from memory), spilled (memory "
+    "full: on the journal only), replayed (written to the store from the journal), dropped (lost: memory "
+    "and the journal were full, or a journal line was unreadable).",
+    ("pipeline", "outcome"),
+)
 
 ALL_METRICS: Final[tuple[MetricSpec, ...]] = (
     MODEL_REQUESTS,
@@ -388,6 +404,7 @@ ALL_METRICS: Final[tuple[MetricSpec, ...]] = (
     SHADOW_FLIPS,
     SHADOW_LATENCY,
     SHADOW_FIGURE,
+    AUDIT_RECORDS,
 )
 
 _Tags = tuple[tuple[str, str], ...]
@@ -881,6 +898,24 @@ class ShadowMetrics:
         for name in ("score_correlation", "mean_difference", "serving_logloss", "candidate_logloss",
                      "serving_auc", "candidate_auc"):  # fmt: skip
             registry.forget(SHADOW_FIGURE, {**self._tags, "figure": name})
+
+
+class AuditMetrics:
+    """The audit trail's counters of one pipeline, recorded by each ingress replica's audit writer."""
+
+    def __init__(self, pipeline: str) -> None:
+        """``pipeline``: the pipeline's name."""
+        self.pipeline = pipeline
+
+    def __repr__(self) -> str:
+        return f"AuditMetrics(pipeline={self.pipeline!r})"
+
+    def records(self, outcome: str, count: int) -> None:
+        """``count`` more records with ``outcome`` (written, replayed, spilled, dropped)."""
+        if outcome not in AUDIT_OUTCOMES:
+            raise ValueError(f"unknown audit outcome {outcome!r}; expected one of {list(AUDIT_OUTCOMES)}")
+        if count > 0:
+            _registry().inc(AUDIT_RECORDS, {"pipeline": self.pipeline, "outcome": outcome}, float(count))
 
 
 class LearningMetrics:

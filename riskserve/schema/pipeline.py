@@ -21,6 +21,7 @@ from riskserve.schema.rules import DecisionEngine, DecisionSpec, Outcome, RuleSc
 from riskserve.wrappers import backend
 
 __all__ = [
+    "AuditSpec",
     "AuthSpec",
     "BatchingSpec",
     "BreakerSpec",
@@ -184,6 +185,35 @@ class FeedbackSpec(_Strict):
     def stage(self) -> StageSpec:
         """Placement of the feedback service: one replica, the only writer of the log and the learner."""
         return StageSpec(pool=self.pool, num_cpus=self.num_cpus, replicas=1)
+
+
+class AuditSpec(_Strict):
+    """The decision audit trail: every decision kept durably, off the request path
+    (:mod:`riskserve.audit`): one SQLite file (WAL) per ingress replica in ``path``, written by a
+    background thread in small batched transactions."""
+
+    enabled: bool = True
+    """Keep the trail (``false``: decisions are not kept; the section documents where they would be)."""
+    path: Path
+    """Directory of the trail (mode 0700; its files 0600: they hold the requests' input fields); a relative
+    path is relative to the YAML. Every ingress replica writing to it takes a slot file of its own."""
+    retention_days: float = Field(default=1825, gt=0)
+    """Records older than this are purged, a few hundred rows per transaction."""
+    buffer: int = Field(default=10_000, ge=1)
+    """Records an ingress replica holds in memory for the writer; past it they spill to the journal."""
+    flush_ms: float = Field(default=100, gt=0, le=10_000)
+    """The writer commits what is buffered this often (sooner when ``batch_rows`` are waiting)."""
+    batch_rows: int = Field(default=512, ge=1, le=100_000)
+    """Records per write transaction at most, so the writer never holds the database long."""
+    write_ahead: bool = True
+    """Append each record to the replica's journal (one ``write`` to the kernel) before the decision is
+    answered, so an answered decision survives ``kill -9`` of the replica (not a power loss: no fsync).
+    ``false``: records wait in memory, and those still there when the process dies are lost uncounted."""
+    spill_mb: float = Field(default=256, gt=0)
+    """Bound of the journal on disk (records not yet in the store); past it records are dropped and counted
+    (``riskserve_audit_records_total{outcome="dropped"}``) and logged."""
+    purge_rows: int = Field(default=500, ge=1, le=100_000)
+    """Rows deleted per retention transaction."""
 
 
 class BatchingSpec(_Strict):
@@ -462,6 +492,8 @@ class PipelineSpec(_Strict):
     """The only directory ``riskserve swap`` takes candidates from (symlinks resolved); a model's own
     YAML artifact and its learned versions are always accepted. Default: the directory that holds the
     model's YAML artifact (``models/`` for ``models/fraud``). A relative path is relative to the YAML."""
+    audit: AuditSpec | None = None
+    """The decision audit trail (``riskserve audit show/export``); absent: decisions are not kept."""
     reasons: ReasonsSpec | None = None
     """Reason codes with the decisions of the outcomes listed (``top``, ``for``, per-field ``texts``)."""
     base_dir: Path = Field(default=Path("."), exclude=True)
@@ -497,6 +529,12 @@ class PipelineSpec(_Strict):
         if self.feedback is None:
             raise ConfigError(f"pipeline '{self.name}' has no feedback section")
         return self._relative(self.feedback.log_path)
+
+    def audit_dir(self) -> Path:
+        """Absolute directory of the audit trail (the pipeline must have ``audit``)."""
+        if self.audit is None:
+            raise ConfigError(f"pipeline '{self.name}' has no audit section")
+        return self._relative(self.audit.path)
 
     def learned_dir(self, model: str) -> Path:
         """Absolute directory of a model's learned versions."""
@@ -558,6 +596,8 @@ class PipelineSpec(_Strict):
             data["feedback"]["log_path"] = str(self.feedback_log_path())
             for name in self.online_models():
                 data["models"][name]["online"]["artifact_dir"] = str(self.learned_dir(name))
+        if self.audit is not None:
+            data["audit"]["path"] = str(self.audit_dir())
         if self.tracing.file_path is not None:
             data["tracing"]["file_path"] = str(self._relative(self.tracing.file_path))
         if self.models_root is not None:

@@ -5,6 +5,7 @@ model. Models in their own deployments are started first, so their hops overlap 
 in process; a small batch's in-ingress models then run as plain function calls on the event loop, a large
 batch's in a worker thread. The rules follow, then the reason codes of the decisions whose outcome the
 pipeline explains (none for the others), then the responses. After the answer is built, the batch's
+records are handed to the audit writer (with write-ahead: on the journal before the answer leaves), its
 decisions are buffered for the feedback log and a sample is handed to any shadow candidate.
 """
 
@@ -16,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from riskserve.audit.writer import AuditWriter
 from riskserve.features.stage import FeatureStage, StageResult
 from riskserve.learning.recorder import DecisionRecorder
 from riskserve.platform.errors import DeadlineExceeded, InlineBusy
@@ -24,6 +26,7 @@ from riskserve.platform.tracing import SPAN_DECISION, inject, optional_span
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.schema.pipeline import PipelineSpec
 from riskserve.schema.rules import Decision, ModelResult
+from riskserve.serving.auditing import audit_records
 from riskserve.serving.guarded_call import GuardedModel
 from riskserve.serving.ids import new_ids
 from riskserve.serving.messages import decide_response, raw_request
@@ -49,10 +52,12 @@ class DecisionFlow:
         recorder: DecisionRecorder | None = None,
         explainer: ReasonExplainer | None = None,
         shadows: Shadows | None = None,
+        audit: AuditWriter | None = None,
     ) -> None:
         """``local_stage``: encode in this process; else ``stage_handle``, the feature-stage deployment;
         ``explainer``: reason codes for the outcomes the pipeline explains; ``shadows``: candidates that
-        score a sample of the answered decisions off the request path."""
+        score a sample of the answered decisions off the request path; ``audit``: the replica's audit
+        writer (every decision is kept)."""
         self.spec = spec
         self.models = models
         self._names = list(spec.models)
@@ -61,6 +66,7 @@ class DecisionFlow:
         self.recorder = recorder
         self.explainer = explainer
         self.shadows = shadows
+        self.audit = audit
         self.metrics = PipelineMetrics(spec.name)
         self._engine = spec.decision_engine()
         self._inline_rows = spec.serving.inline_rows
@@ -83,7 +89,8 @@ class DecisionFlow:
         self, requests: Sequence[pb.DecideRequest], trace_id: str, deadline: float, traced: bool
     ) -> list[pb.DecideResponse]:
         started = time.perf_counter()
-        stage = await self._features([raw_request(r) for r in requests], deadline, traced)
+        raw = [raw_request(r) for r in requests]
+        stage = await self._features(raw, deadline, traced)
         self.metrics.feature_latency(stage.latency_ms / 1e3)
         per_model = await self._run_models(stage, deadline, traced)
         if time.monotonic() >= deadline:
@@ -116,6 +123,18 @@ class DecisionFlow:
             )
             for i, (request_id, (decision, results)) in enumerate(zip(ids, decided, strict=True))
         ]
+        if self.audit is not None:
+            self.audit.submit(
+                audit_records(
+                    self.spec,
+                    raw=raw,
+                    request_ids=ids,
+                    decision_ids=decision_ids,
+                    decided=decided,
+                    reasons=reasons,
+                    trace_id=trace_id,
+                )
+            )
         if self.recorder is not None:
             record_decisions(self.recorder, self.spec.name, decision_ids, ids, stage, per_model)
         if self.shadows is not None and self.shadows.active:

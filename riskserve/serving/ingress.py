@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from riskserve.audit.writer import AuditCounts
 from riskserve.features.stage import FeatureStage
 from riskserve.learning.journal import DecisionJournal, journal_dir
 from riskserve.learning.recorder import DecisionRecorder
@@ -25,6 +26,7 @@ from riskserve.platform.runner import CandidateReport, ModelRunner, ModelStatus
 from riskserve.platform.tracing import configure_tracing, shutdown_tracing
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.schema.pipeline import PipelineSpec
+from riskserve.serving.auditing import audit_writer
 from riskserve.serving.auth import label_source
 from riskserve.serving.flow import DecisionFlow
 from riskserve.serving.frontdoor import Admission, FrontDoor
@@ -96,6 +98,7 @@ class PipelineIngress:
             local_stage = FeatureStage(spec["features"], spec.get("tracing"), serving.matrix_retain_s)
         explainer = ReasonExplainer(self._spec, self._runners) if self._spec.reasons is not None else None
         self._shadows = Shadows(self._spec, self._runners)
+        self._audit = await asyncio.to_thread(audit_writer, self._spec)
         self._flow = DecisionFlow(
             self._spec,
             models=guarded,
@@ -104,6 +107,7 @@ class PipelineIngress:
             recorder=recorder,
             explainer=explainer,
             shadows=self._shadows,
+            audit=self._audit,
         )
         self._local_stage = local_stage
         self._features = features
@@ -163,6 +167,8 @@ class PipelineIngress:
         await asyncio.shield(self._shadows.stop())
         for runner in self._runners.values():
             await asyncio.shield(runner.stop())
+        if self._audit is not None:  # after the drain: every answered decision is in the store
+            await asyncio.to_thread(self._audit.close)
         await asyncio.to_thread(shutdown_tracing)
 
     # -- health -------------------------------------------------------------------------------------------
@@ -324,6 +330,14 @@ class PipelineIngress:
         status["decisions_dropped"] = recorder.dropped if recorder else 0
         status["decisions_recovered"] = recorder.recovered if recorder else 0
         return status
+
+    def audit_status(self) -> AuditCounts | None:
+        """What this replica's audit writer did (``None``: the pipeline keeps no trail)."""
+        return None if self._audit is None else self._audit.counts()
+
+    async def audit_flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every decision this replica made is in its audit store (drills, tests)."""
+        return self._audit is None or await asyncio.to_thread(self._audit.flush, timeout_s)
 
     def lane_use(self) -> dict[str, LaneUse]:
         """Per model in its own deployment: the lanes this replica holds and the calls each path took."""

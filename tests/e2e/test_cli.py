@@ -51,6 +51,7 @@ def tabular_yaml(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) ->
     for name, model in data["models"].items():
         model["artifact"] = str(demo_models / name)
         model["timeout_ms"] = 20_000  # values are checked: a loaded CI machine must not cause fallbacks
+    data["audit"] = {"path": str(tmp_path_factory.mktemp("audit"))}
     path = tmp_path_factory.mktemp("pipelines") / "tabular_only.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -120,6 +121,92 @@ def test_status_shows_models_versions_and_health(
         assert re.search(
             rf"^  model {name}\s+{kind}\s+in ingress\s+{re.escape(version)}$", out, re.MULTILINE
         ), out
+
+
+RISKY = {
+    "numeric": {"amount": 2500.0, "account_age_days": 3.0, "txn_velocity_1h": 9.0, "hour": 3.0,
+                "country_mismatch": 1.0, "device_change": 1.0},
+    "categorical": {"merchant_category": "crypto", "channel": "online"},
+}  # fmt: skip
+SAFE = {
+    "numeric": {"amount": 42.5, "account_age_days": 900.0, "txn_velocity_1h": 0.0, "hour": 14.0},
+    "categorical": {"merchant_category": "grocery", "channel": "pos"},
+}  # fmt: skip
+
+
+def _assert_record_is_answer(record: dict[str, object], answer: object, sent: dict[str, object]) -> None:
+    """The audit record of a decision says what its gRPC answer said (values, not just presence)."""
+    from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+
+    assert isinstance(answer, pb.DecideResponse)
+    assert record["decision_id"] == answer.decision_id
+    assert record["request_id"] == answer.request_id
+    assert record["trace_id"] == answer.trace_id
+    assert (record["pipeline"], record["pipeline_version"]) == (answer.pipeline, answer.pipeline_version)
+    assert record["outcome"] == pb.Decision.Name(answer.decision)
+    assert record["risk_score"] == pytest.approx(answer.risk_score, abs=1e-6)
+    assert record["rule_reasons"] == list(answer.reasons)
+    models = record["models"]
+    assert isinstance(models, list)
+    assert [(m["model"], m["version"], m["fallback"]) for m in models] == [
+        (m.model, m.version, m.fallback) for m in answer.models
+    ]
+    for kept, told in zip(models, answer.models, strict=True):
+        assert kept["score"] == pytest.approx(told.score, abs=1e-6)
+    reasons = record["top_reasons"]
+    assert isinstance(reasons, list)
+    assert [(r["field"], r["model"]) for r in reasons] == [(r.field, r.model) for r in answer.top_reasons]
+    for kept, told in zip(reasons, answer.top_reasons, strict=True):
+        assert kept["contribution"] == pytest.approx(told.contribution, abs=1e-6)
+    inputs = record["inputs"]
+    assert isinstance(inputs, dict)
+    assert inputs["numeric"] == sent["numeric"]
+    assert inputs["categorical"] == sent["categorical"]
+
+
+def test_the_audit_trail_holds_what_each_decision_answered(
+    running: int, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Real gRPC decisions (Decide and DecideBatch), then ``riskserve audit show`` and ``export`` as a
+    user runs them: each record equals its answer, the export holds every decision with the same values."""
+    import pyarrow.parquet as pq
+
+    from riskserve.client import RiskClient
+    from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+
+    with RiskClient(f"127.0.0.1:{running}", pipeline="tabular_only") as client:
+        declined = client.decide(**RISKY, request_id="audit-risky")  # type: ignore[arg-type]
+        batch = client.decide_batch(
+            [pb.DecideRequest(request_id=f"audit-{i}", **(RISKY if i % 2 else SAFE)) for i in range(6)]  # type: ignore[arg-type]
+        )
+    assert pb.Decision.Name(declined.decision) == "DECLINE"
+    assert declined.top_reasons, "a DECLINE carries reason codes"
+    shown = _riskserve("audit", "show", declined.decision_id, "--pipeline", "tabular_only", env=cli_env)
+    assert shown.returncode == 0, shown.stderr
+    record = json.loads(shown.stdout)
+    _assert_record_is_answer(record, declined, RISKY)
+    assert record["rules"] == [reason.split(":")[0] for reason in declined.reasons]  # every rule fired
+    assert "high_risk" in record["rules"]
+    assert record["label"] is None
+    out = tmp_path / "decisions.parquet"
+    exported = _riskserve(
+        "audit", "export", "--since", "10m", "--format", "parquet", "--out", str(out),
+        "--pipeline", "tabular_only", env=cli_env,
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr
+    rows = {row["decision_id"]: row for row in pq.read_table(out).to_pylist()}
+    for i, answer in enumerate(batch):
+        row = rows[answer.decision_id]
+        sent = RISKY if i % 2 else SAFE
+        assert (row["request_id"], row["outcome"]) == (f"audit-{i}", pb.Decision.Name(answer.decision))
+        assert row["risk_score"] == pytest.approx(answer.risk_score, abs=1e-6)
+        assert row["input.amount"] == sent["numeric"]["amount"]  # type: ignore[index]
+        for model in answer.models:
+            assert row[f"model.{model.model}.version"] == model.version
+            assert row[f"model.{model.model}.score"] == pytest.approx(model.score, abs=1e-6)
+    missing = _riskserve("audit", "show", "no-such-decision", "--pipeline", "tabular_only", env=cli_env)
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("error: no audit record of decision 'no-such-decision'")
 
 
 @pytest.mark.parametrize(

@@ -117,6 +117,8 @@ def pipeline_on(yaml_name: str, models: Path, **overrides: Any) -> PipelineSpec:
     data.setdefault("serving", {})["decision_timeout_ms"] = GENEROUS_TIMEOUT_MS
     if "feedback" in data:  # every deployment of a test gets a log of its own, never one in the repo
         data["feedback"]["log_path"] = str(Path(tempfile.mkdtemp(prefix="feedback-")) / "log.sqlite")
+    if "audit" in data:  # the same for the audit trail
+        data["audit"]["path"] = tempfile.mkdtemp(prefix="audit-")
     serving = overrides.pop("serving", None)
     data.update(overrides)
     if serving is not None:  # merged, so an override of the serving section keeps the free port

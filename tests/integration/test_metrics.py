@@ -27,6 +27,7 @@ import yaml
 
 from riskserve.platform.metrics import (
     ALL_METRICS,
+    AUDIT_RECORDS,
     DECISION_LATENCY,
     DECISIONS,
     FEATURE_LATENCY,
@@ -40,6 +41,7 @@ from riskserve.platform.metrics import (
     MODEL_REQUESTS,
     MODEL_VERSION_INFO,
     REPORT_INTERVAL_ENV,
+    AuditMetrics,
     LearningMetrics,
     ModelMetrics,
     PipelineMetrics,
@@ -105,6 +107,7 @@ class MetricsProbe:
         self.learning = LearningMetrics(APP)  # what the feedback service records
         self.learning.learning_state(FRAUD, paused=False, drift=0.0)
         self.learning.refused("relabel")
+        self.audit = AuditMetrics(APP)  # what each ingress replica's audit writer records
 
     def decide(self, step: dict[str, Any]) -> None:
         started = time.perf_counter()
@@ -119,6 +122,7 @@ class MetricsProbe:
                     metrics.fallback(step[name])
                     metrics.breaker_state("open")
         self.pipeline.decision(step["outcome"])
+        self.audit.records("written", step["rows"])
         if step["outcome"] != "APPROVE":
             self.pipeline.reasons(1, 0.001)
             self.shadow.compared(1, 0.9, 0.01)  # a shadow of fraud compares the risky decisions
@@ -252,6 +256,14 @@ def test_every_metric_is_exported_under_its_documented_name(
     )
     assert expected <= names, f"missing {sorted(expected - names)}; exported {sorted(names)}"
     assert DECISIONS.exported == "ray_riskserve_decisions_total"
+
+
+def test_audit_records_are_counted_by_outcome(
+    prometheus: PrometheusServer, recorded: dict[str, float]
+) -> None:
+    rows = float(sum(step["rows"] for step in PLAN))
+    expr = f'{AUDIT_RECORDS.exported}{{pipeline="{APP}"}}'
+    assert _equal(lambda: _by(prometheus, expr, "outcome"), {"written": rows}) == {"written": rows}
 
 
 def test_serve_adds_deployment_replica_and_application_tags(

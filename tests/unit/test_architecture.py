@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "riskserve"
 
-BELOW_SERVING = frozenset({"learning", "schema", "features", "wrappers", "platform", "proto"})
+BELOW_SERVING = frozenset({"audit", "learning", "schema", "features", "wrappers", "platform", "proto"})
 
 ALLOWED: dict[str, frozenset[str]] = {
     # the ground floor: imports nothing of riskserve above it
@@ -30,6 +30,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "schema": frozenset({"features", "wrappers", "platform"}),
     # online learning as a library: the feedback log, the learner, label admission, the decision recorder
     "learning": frozenset({"schema", "features", "wrappers", "platform"}),
+    # the decision audit trail as a library: its store, journal, writer, reader, export
+    "audit": frozenset({"platform"}),
     # what happens to one decision
     "serving": BELOW_SERVING - {"serving"},
     # a program calling the gRPC service
