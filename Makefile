@@ -40,7 +40,7 @@ test: lint typecheck
 # The fault drills and the soak against a real `riskserve up`, each with a reconciling client (RELIABILITY.md);
 # about 20 minutes, not in `make test`. RISKSERVE_SOAK_S=300 shortens the soak.
 reliability: setup
-	$(BIN)/pytest -m reliability tests/reliability
+	$(BIN)/pytest -m "reliability or long" tests/reliability tests/integration/test_audit_kill.py
 
 # riskserve against a hand-written grpc.aio server with the same models, in one run (BENCHMARKS.md).
 bench: models
