@@ -13,6 +13,7 @@ import yaml
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
 
 from riskserve.features.spec import FeatureSpec
+from riskserve.platform.breaker import BreakerSettings
 from riskserve.platform.errors import ConfigError
 from riskserve.platform.tracing import TracingSettings
 from riskserve.schema.base import NAME as _NAME
@@ -24,7 +25,6 @@ __all__ = [
     "AuditSpec",
     "AuthSpec",
     "BatchingSpec",
-    "BreakerSpec",
     "DecisionSpec",
     "FallbackSpec",
     "FeedbackSpec",
@@ -84,25 +84,6 @@ class FallbackSpec(_Strict):
         if self.score is None and not self.review:
             raise ValueError("a fallback needs a 'score' or 'review: true'")
         return self
-
-
-class BreakerSpec(_Strict):
-    """A model's circuit breaker (semantics in :mod:`riskserve.platform.breaker`)."""
-
-    window_size: int = Field(default=20, ge=1)
-    """Calls in the count-based sliding window."""
-    minimum_calls: int = Field(default=10, ge=1)
-    """Calls in the window before the breaker judges at all."""
-    failure_rate_threshold: float = Field(default=0.5, gt=0, le=1)
-    """Opens when failures / calls reaches this."""
-    slow_call_rate_threshold: float = Field(default=0.8, gt=0, le=1)
-    """Opens when slow calls / calls reaches this."""
-    slow_call_ms: float | None = Field(default=None, gt=0)
-    """A call slower than this is slow; default: the model's ``timeout_ms`` (a timed-out call is slow)."""
-    open_ms: float = Field(default=5000, gt=0)
-    """How long it stays open (every call gets the fallback at once) before it probes again."""
-    half_open_probes: int = Field(default=3, ge=1)
-    """Probe calls let through after ``open_ms``; all must pass to close."""
 
 
 class OnlineLearningSpec(_Strict):
@@ -260,7 +241,9 @@ class ModelSpec(_Strict):
     max_queued_requests: QueueLimit = 64
     """Requests waiting for a replica before the call is refused (-1: unbounded); a refused model call
     gets the fallback (reason OVERLOADED)."""
-    breaker: BreakerSpec = BreakerSpec()
+    breaker: BreakerSettings
+    """The model's circuit breaker (semantics and checks in :mod:`riskserve.platform.breaker`, the same
+    settings class, so a bad value fails here at load); ``slow_call_ms`` defaults to ``timeout_ms``."""
     health_check_period_s: float = Field(default=1.0, gt=0, le=600)
     """How often Serve asks each replica whether it is healthy (see :class:`StageSpec`)."""
     health_check_timeout_s: float | None = Field(default=None, gt=0, le=600)
@@ -274,6 +257,20 @@ class ModelSpec(_Strict):
     and GPU share. Default: ``ingress`` for ``treelite`` and ``sklearn``, ``deployment`` for ``vllm``."""
     batching: BatchingSpec | None = None
     """Adaptive batching across concurrent decisions (models in their own deployment only)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _slow_call_default(cls, data: Any) -> Any:
+        """A call slower than the model's timeout is slow unless the breaker says otherwise."""
+        if not isinstance(data, dict):
+            return data  # pydantic reports the type error
+        breaker = data.get("breaker", {})
+        if not isinstance(breaker, dict) or "slow_call_ms" in breaker:
+            return data
+        timeout = data.get("timeout_ms")
+        valid = isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0
+        # without a valid timeout_ms its own error is reported; 1.0 only stands in so it is the one error
+        return {**data, "breaker": {**breaker, "slow_call_ms": timeout if valid else 1.0}}
 
     @property
     def in_ingress(self) -> bool:

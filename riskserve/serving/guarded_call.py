@@ -22,7 +22,7 @@ import ray
 from ray.serve.exceptions import BackPressureError
 
 from riskserve.features.stage import StageResult
-from riskserve.platform.breaker import BreakerSettings, CircuitBreaker
+from riskserve.platform.breaker import CircuitBreaker
 from riskserve.platform.errors import DeadlineExceeded, InlineBusy, InvalidInput, Overloaded
 from riskserve.platform.metrics import FallbackReason, ModelMetrics
 from riskserve.platform.runner import ModelAnswer, ModelRunner
@@ -174,11 +174,9 @@ class RemoteEndpoint:
 
 def breaker_for(name: str, spec: ModelSpec, metrics: ModelMetrics) -> CircuitBreaker:
     """The model's breaker, its transitions exported as the breaker-state metric."""
-    settings = BreakerSettings(
-        **spec.breaker.model_dump(exclude={"slow_call_ms"}),
-        slow_call_ms=spec.breaker.slow_call_ms or spec.timeout_ms,
+    breaker = CircuitBreaker(
+        spec.breaker, name=name, on_transition=lambda old, new: metrics.breaker_state(new)
     )
-    breaker = CircuitBreaker(settings, name=name, on_transition=lambda old, new: metrics.breaker_state(new))
     metrics.breaker_state(breaker.state)
     return breaker
 
