@@ -71,7 +71,7 @@ __all__ = [
     "log_loss",
 ]
 
-Outcome = Literal["applied", "reverted", "held_out", "paused"]
+BatchOutcome = Literal["applied", "reverted", "held_out", "paused"]
 
 
 def is_holdout(feedback_id: str, every: int, key: bytes) -> bool:
@@ -175,7 +175,7 @@ class BatchReport(_Schema):
     version: str
     """The version serving after this batch: the candidate, or ``parent`` when it was reverted."""
     artifact: str
-    outcome: Outcome
+    outcome: BatchOutcome
     reason: str = ""
     coef_step: float = 0.0
     """L2 norm of the step ``partial_fit`` asked for (before capping)."""
@@ -357,7 +357,7 @@ class OnlineLearner:
         return report, holdout_seqs
 
     def _report(
-        self, base: dict[str, object], parent: LearnedVersion, outcome: Outcome, reason: str
+        self, base: dict[str, object], parent: LearnedVersion, outcome: BatchOutcome, reason: str
     ) -> BatchReport:
         fields = {"trained_rows": 0, "holdout_rows": 0, **base}
         return BatchReport.model_validate(

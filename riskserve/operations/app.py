@@ -23,6 +23,7 @@ from ray.serve import Application
 
 from riskserve.features.stage import FeatureStage
 from riskserve.operations.learning_service import FeedbackService
+from riskserve.schema.deployments import FEATURES, FEEDBACK, INGRESS, deployment_names
 from riskserve.schema.endpoints import with_endpoint
 from riskserve.schema.pipeline import PipelineSpec, StageSpec, load_pipeline
 from riskserve.schema.pools import actor_options, check_pools, ingress_cpus
@@ -30,7 +31,7 @@ from riskserve.serving.ingress import PipelineIngress
 from riskserve.serving.model_lane import LanedModelReplica
 from riskserve.serving.model_replica import ModelReplica
 
-__all__ = ["AppArgs", "build_app", "build_application", "deployment_names"]
+__all__ = ["AppArgs", "build_app", "build_application"]
 
 
 class AppArgs(_Schema):
@@ -42,18 +43,6 @@ class AppArgs(_Schema):
     """The pipeline YAML file."""
     grpc_port: int | None = None
     """The gRPC port of the pipeline's front door (default: the YAML's ``serving.grpc.port``)."""
-
-
-def deployment_names(spec: PipelineSpec) -> dict[str, str]:
-    """Serve deployment name of each stage: ``ingress``, ``model-<name>`` for models in their own
-    deployment, ``features`` when the feature stage is one and, with feedback, ``feedback``."""
-    remote = {m: f"model-{m}" for m, model in spec.models.items() if not model.in_ingress}
-    names = {"features": "features", "ingress": "ingress", **remote}
-    if spec.serving.feature_stage == "ingress":
-        del names["features"]  # encoded inside the ingress replicas
-    if spec.feedback is not None:
-        names["feedback"] = "feedback"
-    return names
 
 
 @functools.cache
@@ -125,9 +114,7 @@ def build_application(
     if spec.serving.feature_stage == "deployment":
         features_args = (data["features"], data["tracing"], spec.serving.matrix_retain_s)
         stage_spec = spec.serving.features
-        features = _stage(FeatureStage, names["features"], spec, stage_spec, features_args).bind(
-            *features_args
-        )
+        features = _stage(FeatureStage, names[FEATURES], spec, stage_spec, features_args).bind(*features_args)
     matrix_columns = spec.features.column_names()
     models = {}
     for name, model in spec.models.items():
@@ -158,7 +145,7 @@ def build_application(
         models[name] = versioned.options(user_config={"artifact": str(artifact)}).bind(*args, **lane)
     feedback = None
     if spec.feedback is not None:
-        feedback_stage = _stage(FeedbackService, names["feedback"], spec, spec.feedback.stage, data)
+        feedback_stage = _stage(FeedbackService, names[FEEDBACK], spec, spec.feedback.stage, data)
         feedback = feedback_stage.bind(
             data, build_application
         )  # the service publishes by rebuilding this app
@@ -168,7 +155,7 @@ def build_application(
         if model.in_ingress
     }
     ingress_deployment = _stage(
-        PipelineIngress, names["ingress"], spec, spec.serving.ingress, data, num_cpus=ingress_cpus(spec)
+        PipelineIngress, names[INGRESS], spec, spec.serving.ingress, data, num_cpus=ingress_cpus(spec)
     )
     ingress: Application = ingress_deployment.options(
         user_config={"draining": draining, "artifacts": in_ingress, "shadows": shadows or {}}

@@ -34,6 +34,7 @@ from riskserve.platform.errors import ConfigError, Conflict, ModelUnavailable
 from riskserve.platform.metrics import LearningMetrics
 from riskserve.platform.runner import ModelStatus
 from riskserve.platform.secret import install_secret, secret_path
+from riskserve.schema.deployments import INGRESS
 from riskserve.schema.pipeline import PipelineSpec
 
 __all__ = ["FeedbackService"]
@@ -301,7 +302,7 @@ class FeedbackService:
         if self._ingress is None:
             from ray import serve
 
-            self._ingress = serve.get_deployment_handle("ingress", app_name=self._spec.name)
+            self._ingress = serve.get_deployment_handle(INGRESS, app_name=self._spec.name)
         status: ModelStatus = self._ingress.model_status.remote(name).result(timeout_s=30)
         return status
 

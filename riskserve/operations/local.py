@@ -36,6 +36,7 @@ from riskserve.operations.ray_auth import (
 )
 from riskserve.platform.artifacts import default_cache_dir
 from riskserve.platform.errors import ConfigError, ModelUnavailable, NotFound
+from riskserve.schema.deployments import FEEDBACK
 from riskserve.schema.endpoints import assign_endpoints, endpoint_of
 from riskserve.schema.pipeline import PipelineSpec, load_pipeline
 from riskserve.schema.pools import check_pools, single_node_resources
@@ -342,7 +343,7 @@ def _drain(specs: Sequence[PipelineSpec]) -> None:
     for spec in specs:
         if spec.feedback is not None:  # no learner publish may follow (it would redeploy the pipeline)
             try:
-                serve.get_deployment_handle("feedback", app_name=spec.name).fence.remote().result(
+                serve.get_deployment_handle(FEEDBACK, app_name=spec.name).fence.remote().result(
                     timeout_s=DRAIN_S * 15
                 )
             except Exception:

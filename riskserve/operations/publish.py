@@ -15,6 +15,7 @@ import time
 from typing import Any, Protocol
 
 from riskserve.platform.runner import ModelStatus
+from riskserve.schema.deployments import INGRESS
 from riskserve.schema.pipeline import PipelineSpec
 
 __all__ = [
@@ -52,7 +53,7 @@ class AppBuilder(Protocol):
 def _ingress(spec: PipelineSpec) -> Any:
     from ray import serve
 
-    return serve.get_deployment_handle("ingress", app_name=spec.name)
+    return serve.get_deployment_handle(INGRESS, app_name=spec.name)
 
 
 def model_status(spec: PipelineSpec, model: str) -> ModelStatus:

@@ -17,6 +17,7 @@ from riskserve.operations.publish import publish_artifacts
 from riskserve.operations.swap import SwapResult, admit_candidate, build_application, exclusive, swap
 from riskserve.platform.errors import InvalidInput, ModelLoadError, NotFound, RiskServeError
 from riskserve.platform.runner import CandidateReport
+from riskserve.schema.deployments import INGRESS
 from riskserve.schema.pipeline import PipelineSpec
 
 if TYPE_CHECKING:  # the shadow module imports Ray, which must not happen before `connected` set it up
@@ -28,7 +29,7 @@ __all__ = ["promote_shadow", "shadow_status", "start_shadow", "stop_shadow"]
 def _ingress(spec: PipelineSpec) -> Any:
     from ray import serve
 
-    return serve.get_deployment_handle("ingress", app_name=spec.name)
+    return serve.get_deployment_handle(INGRESS, app_name=spec.name)
 
 
 def _local(pipeline: str, state: LocalState | None) -> tuple[LocalState, PipelineSpec]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from riskserve.operations.local import LocalState, connected, read_state
+from riskserve.schema.deployments import INGRESS
 from riskserve.schema.pipeline import load_pipeline
 
 __all__ = ["collect_status", "print_status"]
@@ -31,7 +32,7 @@ def collect_status(state: LocalState) -> dict[str, Any]:
                 for dep_name, dep in app.deployments.items()
             }
             models: dict[str, Any] = {}
-            ingress = serve.get_deployment_handle("ingress", app_name=name)
+            ingress = serve.get_deployment_handle(INGRESS, app_name=name)
             for model in load_pipeline(state.pipeline_files[name]).models:
                 meta = ingress.model_status.remote(model).result(timeout_s=30)
                 models[model] = {

@@ -27,6 +27,7 @@ from typing import Any
 from riskserve.operations.local import LocalState, connected, read_state, state_dir
 from riskserve.operations.publish import model_status, publish_checked
 from riskserve.platform.errors import Conflict, InvalidInput, ModelLoadError, NotFound, RiskServeError
+from riskserve.schema.deployments import FEEDBACK, INGRESS
 from riskserve.schema.pipeline import PipelineSpec
 
 __all__ = [
@@ -146,7 +147,7 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
     pipeline = spec.name
     path = str(admit_candidate(spec, model, artifact))
     with exclusive(pipeline):
-        ingress = serve.get_deployment_handle("ingress", app_name=pipeline)
+        ingress = serve.get_deployment_handle(INGRESS, app_name=pipeline)
         serving = model_status(spec, model)
         old_version, old_artifact = str(serving.version), serving.artifact
         try:
@@ -185,7 +186,7 @@ def _publish(spec: PipelineSpec, model: str, artifact: str, version: str, expect
         return
     from ray import serve
 
-    feedback = serve.get_deployment_handle("feedback", app_name=spec.name)
+    feedback = serve.get_deployment_handle(FEEDBACK, app_name=spec.name)
     try:
         feedback.swap.remote(model, artifact, version, expected).result()
     except Exception as error:
@@ -250,7 +251,7 @@ def learning_status(pipeline: str, *, state: LocalState | None = None) -> dict[s
 
         # The ingress adds its own replica's decision buffer (buffered, dropped) to the learner's status.
         status: dict[str, Any] = (
-            serve.get_deployment_handle("ingress", app_name=pipeline)
+            serve.get_deployment_handle(INGRESS, app_name=pipeline)
             .learning_status.remote()
             .result(timeout_s=30)
         )

@@ -86,6 +86,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from riskserve.platform.outcome import OUTCOMES, Outcome
+
 __all__ = [
     "ALL_METRICS",
     "AUDIT_OUTCOMES",
@@ -94,7 +96,6 @@ __all__ = [
     "BREAKER_STATE_VALUES",
     "DECISIONS",
     "DECISION_LATENCY",
-    "DECISION_OUTCOMES",
     "DEFAULT_METRICS_EXPORT_PORT",
     "EXPORT_PREFIX",
     "FALLBACK_REASONS",
@@ -123,7 +124,6 @@ __all__ = [
     "SHADOW_FLIPS",
     "SHADOW_LATENCY",
     "AuditMetrics",
-    "DecisionOutcome",
     "FallbackReason",
     "LabelRefusal",
     "LearningMetrics",
@@ -178,11 +178,6 @@ FallbackReason = Literal["CIRCUIT_OPEN", "TIMEOUT", "ERROR", "OVERLOADED"]
 """Why a model's YAML fallback answered instead of the model."""
 
 FALLBACK_REASONS: Final[tuple[FallbackReason, ...]] = ("CIRCUIT_OPEN", "TIMEOUT", "ERROR", "OVERLOADED")
-
-DecisionOutcome = Literal["APPROVE", "REVIEW", "DECLINE"]
-"""A pipeline's decision."""
-
-DECISION_OUTCOMES: Final[tuple[DecisionOutcome, ...]] = ("APPROVE", "REVIEW", "DECLINE")
 
 LabelRefusal = Literal["relabel", "source_rate", "total_rate"]
 """Why a label was refused: the decision has another label, its source or all sources are over rate."""
@@ -808,17 +803,15 @@ class PipelineMetrics:
     def __repr__(self) -> str:
         return f"PipelineMetrics(pipeline={self.pipeline!r})"
 
-    def decision(self, outcome: DecisionOutcome | str, count: int = 1) -> None:
+    def decision(self, outcome: Outcome | str, count: int = 1) -> None:
         """``count`` decisions with ``outcome`` (``APPROVE``, ``REVIEW`` or ``DECLINE``)."""
-        if outcome not in DECISION_OUTCOMES:
-            raise ValueError(
-                f"unknown decision outcome {outcome!r}; expected one of {list(DECISION_OUTCOMES)}"
-            )
+        if outcome not in OUTCOMES:
+            raise ValueError(f"unknown decision outcome {outcome!r}; expected one of {list(OUTCOMES)}")
         if count > 0:
             series = (("pipeline", self.pipeline), ("outcome", str(outcome)))
             _registry().add(DECISIONS, series, float(count), float(count))
 
-    def decisions(self, outcomes: Iterable[DecisionOutcome | str]) -> None:
+    def decisions(self, outcomes: Iterable[Outcome | str]) -> None:
         """One decision per item of ``outcomes``: one record per outcome, not one per decision."""
         for outcome, count in collections.Counter(outcomes).items():
             self.decision(outcome, count)

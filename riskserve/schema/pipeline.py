@@ -15,10 +15,11 @@ from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_v
 from riskserve.features.spec import FeatureSpec
 from riskserve.platform.breaker import BreakerSettings
 from riskserve.platform.errors import ConfigError
+from riskserve.platform.outcome import Outcome
 from riskserve.platform.tracing import TracingSettings
 from riskserve.schema.base import NAME as _NAME
 from riskserve.schema.base import Strict as _Strict
-from riskserve.schema.rules import DecisionEngine, DecisionSpec, Outcome, RuleScope, RuleSpec, rule_errors
+from riskserve.schema.rules import DecisionEngine, DecisionSpec, RuleScope, RuleSpec, rule_errors
 from riskserve.wrappers import backend
 
 __all__ = [
@@ -31,7 +32,6 @@ __all__ = [
     "FrontDoorSpec",
     "ModelSpec",
     "OnlineLearningSpec",
-    "Outcome",
     "PipelineSpec",
     "PoolSpec",
     "ReasonsSpec",

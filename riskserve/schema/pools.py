@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from riskserve.platform.errors import ConfigError
+from riskserve.schema.deployments import FEATURES, FEEDBACK, INGRESS
 from riskserve.schema.pipeline import PipelineSpec, PoolSpec
 
 __all__ = [
@@ -179,7 +180,7 @@ def _placements(spec: PipelineSpec) -> Iterable[tuple[str, Placement]]:
             model.pool,
             Placement(
                 pipeline=spec.name,
-                deployment=f"ingress ({name})" if model.in_ingress else name,
+                deployment=f"{INGRESS} ({name})" if model.in_ingress else name,
                 path=f"models.{name}",
                 replicas=replicas,
                 num_cpus=model.num_cpus,
@@ -187,17 +188,17 @@ def _placements(spec: PipelineSpec) -> Iterable[tuple[str, Placement]]:
                 memory_gb=_memory_gb(model),
             ),
         )
-    own = ("ingress",) if spec.serving.feature_stage == "ingress" else ("features", "ingress")
+    own = (INGRESS,) if spec.serving.feature_stage == "ingress" else (FEATURES, INGRESS)
     stages = {name: getattr(spec.serving, name) for name in own}
     if spec.feedback is not None:
-        stages["feedback"] = spec.feedback.stage
+        stages[FEEDBACK] = spec.feedback.stage
     for stage_name, stage in stages.items():
         yield (
             spec.stage_pool(stage),
             Placement(
                 pipeline=spec.name,
                 deployment=stage_name,
-                path="feedback" if stage_name == "feedback" else f"serving.{stage_name}",
+                path="feedback" if stage_name == FEEDBACK else f"serving.{stage_name}",
                 replicas=stage.replicas,
                 num_cpus=stage.num_cpus,
                 num_gpus=0.0,

@@ -12,7 +12,7 @@ import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import cel
 import numpy as np
@@ -21,6 +21,7 @@ from pydantic import Field
 from riskserve.features.encoder import ValidRow
 from riskserve.features.spec import CategoricalField, FeatureSpec, NumericField
 from riskserve.platform.errors import ConfigError
+from riskserve.platform.outcome import SEVERITY, Outcome
 from riskserve.schema.base import NAME, Strict
 from riskserve.schema.batch_rules import (
     BatchInputs,
@@ -36,17 +37,12 @@ __all__ = [
     "DecisionEngine",
     "DecisionSpec",
     "ModelResult",
-    "Outcome",
     "RuleScope",
     "RuleSpec",
     "rule_errors",
 ]
 
-Outcome = Literal["APPROVE", "REVIEW", "DECLINE"]
-
 logger = logging.getLogger(__name__)
-
-_SEVERITY = {"APPROVE": 0, "REVIEW": 1, "DECLINE": 2}
 
 
 class RuleSpec(Strict):
@@ -451,7 +447,7 @@ def _unavailable(name: str, result: ModelResult) -> str:
 
 
 def _worse(a: Outcome, b: Outcome) -> Outcome:
-    return a if _SEVERITY[a] >= _SEVERITY[b] else b
+    return a if SEVERITY[a] >= SEVERITY[b] else b
 
 
 def _clamp(value: float) -> float:

@@ -23,9 +23,10 @@ from numpy.typing import NDArray
 
 from riskserve.features.encoder import ValidRow
 from riskserve.platform.errors import ConfigError
+from riskserve.platform.outcome import Outcome
 from riskserve.platform.runner import ModelRunner
 from riskserve.platform.validation import FeatureMatrix
-from riskserve.schema.pipeline import Outcome, PipelineSpec, ReasonsSpec
+from riskserve.schema.pipeline import PipelineSpec, ReasonsSpec
 from riskserve.schema.rules import ModelResult
 
 __all__ = ["Reason", "ReasonExplainer", "field_map"]

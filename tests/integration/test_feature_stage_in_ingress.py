@@ -80,7 +80,7 @@ def test_no_feature_deployment_by_default_and_the_same_decisions(
 ) -> None:
     from ray import serve
 
-    from riskserve.operations.app import deployment_names
+    from riskserve.schema.deployments import deployment_names
 
     inline, staged = specs["tabular_inline"], specs["tabular_staged"]
     assert inline.serving.feature_stage == "ingress"

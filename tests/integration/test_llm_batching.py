@@ -11,6 +11,7 @@ import pytest
 from riskserve.client import RiskClient
 from riskserve.demo.dataset import generate_transactions
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.schema.deployments import model_deployment
 
 from .conftest import ServeCluster, deploy, endpoint, pipeline_on
 
@@ -42,7 +43,7 @@ def test_concurrent_texts_reach_the_engine_as_one_batch(
     data["models"]["intent"]["batching"] = {"max_batch_size": CONCURRENT, "max_wait_ms": 200}
     spec = type(spec).model_validate({**data, "base_dir": spec.base_dir})
     deploy(spec)
-    intent = serve.get_deployment_handle("model-intent", app_name=APP)
+    intent = serve.get_deployment_handle(model_deployment("intent"), app_name=APP)
     requests = _requests(3 * CONCURRENT)
     with RiskClient(endpoint(spec), pipeline=APP, timeout_s=60) as client:
         sequential = [client.decide_request(r) for r in requests[:CONCURRENT]]  # one engine call each

@@ -127,7 +127,7 @@ def test_the_tabular_models_run_in_the_ingress_and_the_llm_in_a_deployment_of_it
 ) -> None:
     from ray import serve
 
-    from riskserve.operations.app import deployment_names
+    from riskserve.schema.deployments import deployment_names
 
     applications = serve.status().applications
     assert set(applications["card_fraud"].deployments) == {"ingress", "model-intent", "feedback"}
