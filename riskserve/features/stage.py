@@ -26,7 +26,6 @@ from riskserve.platform.tracing import (
     TracingSettings,
     configure_tracing,
     extract,
-    shutdown_tracing,
     start_span,
 )
 
@@ -66,7 +65,7 @@ class FeatureStage:
     def __init__(
         self, spec: dict[str, Any], tracing: dict[str, Any] | None = None, retain_s: float = 30.0
     ) -> None:
-        configure_tracing(TracingSettings.model_validate(tracing or {}))
+        self._tracing = configure_tracing(TracingSettings.model_validate(tracing or {}))
         self._encoder = FeatureEncoder(FeatureSpec.model_validate(spec))
         self._retain_s = retain_s
         self._retained: collections.deque[tuple[float, Any]] = collections.deque()
@@ -132,7 +131,10 @@ class FeatureStage:
         )
 
     def __del__(self) -> None:
-        shutdown_tracing()
+        """Release this stage's tracing lease (an in-ingress stage shares the ingress's provider)."""
+        lease = getattr(self, "_tracing", None)  # None when the constructor failed before taking it
+        if lease is not None:
+            lease.release()
 
     def check_health(self) -> None:
         """Serve's liveness probe: the stage is stateless, so a live replica is a healthy one."""

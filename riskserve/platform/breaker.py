@@ -28,10 +28,9 @@ CLOSED
     A call is slow when it took longer than ``slow_call_ms`` (strictly); a slow failure counts in both
     rates, as in Resilience4j. A timeout is a failure.
 OPEN
-    Every call is rejected (:meth:`CircuitBreaker.try_acquire` returns ``None``, :meth:`CircuitBreaker.call`
-    raises :class:`CircuitOpen`). Once ``open_ms`` have elapsed on the injected clock the breaker is
-    HALF_OPEN; there is no timer thread, the change happens on the next ``try_acquire``, ``state`` or
-    ``snapshot`` and is dated at the moment the open time ended.
+    Every call is rejected (:meth:`CircuitBreaker.try_acquire` returns ``None``). Once ``open_ms`` have
+    elapsed on the injected clock the breaker is HALF_OPEN; there is no timer thread, the change happens
+    on the next ``try_acquire``, ``state`` or ``snapshot`` and is dated at the moment the open time ended.
 HALF_OPEN
     Exactly ``half_open_probes`` calls are let through; further calls are rejected as if open while
     those probes are in flight. The breaker closes when all of them succeed without being slow, and
@@ -43,7 +42,8 @@ Outcomes are recorded through the :class:`Permit` that ``try_acquire`` returned:
 health, such as client errors (INVALID_ARGUMENT) and cancellations: it never changes the rates, and in
 HALF_OPEN it gives the probe slot back so another call can probe. Every permit must be resolved exactly
 once: an unresolved half-open probe holds its slot for good, and resolving a permit twice raises
-``RuntimeError`` (a bug in the caller). :meth:`CircuitBreaker.call` resolves its permit on every path.
+``RuntimeError`` (a bug in the caller). The pipeline's guarded call
+(:mod:`riskserve.serving.guarded_call`) resolves its permit on every path.
 
 Stale permits. Each transition starts a new *generation*; a permit belongs to the generation it was granted
 in. An outcome resolved after its generation ended (a slow call that completes after the breaker opened,
@@ -81,27 +81,21 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict, Field, model_validator
-
-from riskserve.platform.errors import ModelUnavailable
 
 __all__ = [
     "BreakerSettings",
     "BreakerSnapshot",
     "BreakerState",
     "CircuitBreaker",
-    "CircuitOpen",
     "Permit",
 ]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class BreakerState(enum.StrEnum):
@@ -160,21 +154,6 @@ class BreakerSnapshot:
     """Slow calls / calls in the window, in [0, 1]."""
     state_entered_at: float
     """Time on the breaker's clock at which the current state began."""
-
-
-class CircuitOpen(ModelUnavailable):
-    """A call was rejected without being tried: the model's breaker is open (or all its probes are taken)."""
-
-    def __init__(self, breaker: str, *, retry_after_s: float | None) -> None:
-        if retry_after_s is None:
-            detail = "is half-open and all its probe calls are in flight"
-        else:
-            detail = f"is open (probes allowed in {retry_after_s:.3f} s)"
-        super().__init__(f"circuit breaker '{breaker}' {detail}")
-        self.breaker = breaker
-        """Name of the breaker (the model's name) that rejected the call."""
-        self.retry_after_s = retry_after_s
-        """Seconds until the breaker lets probes through, or ``None`` when it is half-open and full."""
 
 
 class Permit:
@@ -284,60 +263,24 @@ class CircuitBreaker:
             )
 
     def try_acquire(self) -> Permit | None:
-        """A permit for one call, or ``None`` when the breaker is OPEN or all half-open probes are taken."""
-        granted = self._acquire()
-        return granted if isinstance(granted, Permit) else None
-
-    async def call(
-        self, fn: Callable[[], Awaitable[T]], *, is_client_error: Callable[[BaseException], bool]
-    ) -> T:
-        """Await ``fn()`` through the breaker, record how it went, and return its result or re-raise.
-
-        The call is timed with the breaker's clock. An exception for which ``is_client_error`` is true, and
-        anything that is not an ``Exception`` (a cancellation), is ignored; every other exception is a
-        failure. Put the timeout inside ``fn`` (``lambda: asyncio.wait_for(model.predict(batch), budget)``)
-        so that it reaches the breaker as ``TimeoutError``: a timeout applied around ``call`` arrives as a
-        cancellation and would be ignored.
-
-        Raises:
-            CircuitOpen: the breaker rejected the call; ``fn`` was not called.
-        """
-        granted = self._acquire()
-        if isinstance(granted, CircuitOpen):
-            raise granted
-        started = self._clock()
-        try:
-            result = await fn()
-        except BaseException as error:
-            elapsed = max(self._clock() - started, 0.0)
-            counts = True
-            try:
-                counts = isinstance(error, Exception) and not is_client_error(error)
-            finally:  # a classifier that raises still leaves the permit resolved (as a failure)
-                if counts:
-                    granted.failure(elapsed)
-                else:
-                    granted.ignore()
-            raise
-        granted.success(max(self._clock() - started, 0.0))
-        return result
+        """A permit for one call, or ``None`` when the breaker is OPEN or all half-open probes are taken
+        (the caller answers with the model's fallback at once)."""
+        with self._lock:
+            self._advance()
+            if self._state is BreakerState.CLOSED:
+                return Permit(self, self._generation, BreakerState.CLOSED)
+            if (
+                self._state is BreakerState.HALF_OPEN
+                and self._probes_granted < self.settings.half_open_probes
+            ):
+                self._probes_granted += 1
+                return Permit(self, self._generation, BreakerState.HALF_OPEN)
+            return None
 
     def __repr__(self) -> str:
         return f"CircuitBreaker(name={self._name!r}, state={self.state.value})"
 
     # -- internals, all called with the lock held unless they take it --
-
-    def _acquire(self) -> Permit | CircuitOpen:
-        with self._lock:
-            self._advance()
-            if self._state is BreakerState.CLOSED:
-                return Permit(self, self._generation, BreakerState.CLOSED)
-            if self._state is BreakerState.HALF_OPEN:
-                if self._probes_granted < self.settings.half_open_probes:
-                    self._probes_granted += 1
-                    return Permit(self, self._generation, BreakerState.HALF_OPEN)
-                return CircuitOpen(self._name, retry_after_s=None)
-            return CircuitOpen(self._name, retry_after_s=max(self._half_open_at - self._clock(), 0.0))
 
     def _advance(self) -> None:
         """Move OPEN to HALF_OPEN if the open time has elapsed."""

@@ -66,12 +66,11 @@ stays open, the serving version) vanishes from ``/metrics`` after ~20 s (2 s at 
 therefore keeps the last value of every gauge series of the process and sets them again from a daemon thread
 every half report interval.
 
-Where the endpoint is: :func:`metrics_export_port` (this node) and :func:`metrics_targets` (every node).
-Ray always runs the agent: on ``ray.init(_metrics_export_port=PORT)`` or ``ray start
---metrics-export-port=PORT`` (:func:`ray_metrics_options`), else on a free port it picks. The report
-interval is the environment variable ``RAY_metrics_report_interval_ms`` of the process that starts Ray
-(:func:`set_metrics_report_interval`); ``_system_config={"metrics_report_interval_ms": MS}`` changes the
-workers' cadence but not the agent's gauge TTL.
+Where the endpoint is: :func:`metrics_export_port` (this node). Ray always runs the agent: on
+``ray.init(_metrics_export_port=PORT)`` or ``ray start --metrics-export-port=PORT``, else on a free port it
+picks. The report interval is the environment variable ``RAY_metrics_report_interval_ms``
+(:data:`REPORT_INTERVAL_ENV`) of the process that starts Ray; ``_system_config={"metrics_report_interval_ms":
+MS}`` changes the workers' cadence but not the agent's gauge TTL.
 """
 
 from __future__ import annotations
@@ -134,10 +133,7 @@ __all__ = [
     "ShadowMetrics",
     "flush_metrics",
     "metrics_export_port",
-    "metrics_targets",
-    "ray_metrics_options",
     "recorded",
-    "set_metrics_report_interval",
 ]
 
 logger = logging.getLogger(__name__)
@@ -956,39 +952,3 @@ def metrics_export_port() -> int | None:
         if node.get("NodeID") == node_id and node.get("MetricsExportPort"):
             return int(node["MetricsExportPort"])
     return None
-
-
-def metrics_targets() -> list[str]:
-    """``HOST:PORT`` of every live node's metrics endpoint (a Prometheus ``static_configs`` target list)."""
-    import ray
-
-    if not ray.is_initialized():
-        return []
-    return [
-        f"{node['NodeManagerAddress']}:{node['MetricsExportPort']}"
-        for node in _nodes()
-        if node.get("Alive") and node.get("MetricsExportPort")
-    ]
-
-
-def ray_metrics_options(export_port: int | None = None) -> dict[str, Any]:
-    """``ray.init`` keyword arguments for a fixed metrics export port (``**ray_metrics_options(8080)``).
-
-    The same as ``ray start --metrics-export-port=8080``; without one Ray picks a free port
-    (:func:`metrics_export_port` finds it).
-    """
-    return {} if export_port is None else {"_metrics_export_port": int(export_port)}
-
-
-def set_metrics_report_interval(interval_ms: int) -> None:
-    """Make every Ray process started from this one report metrics every ``interval_ms`` (floor 1000).
-
-    Sets :data:`REPORT_INTERVAL_ENV` in this process's environment, so call it before ``ray.init`` (or put
-    ``RAY_metrics_report_interval_ms=MS`` in the environment of ``ray start``): the raylet, the metrics agent
-    and the workers inherit it. ``ray.init(_system_config={"metrics_report_interval_ms": MS})`` reaches the
-    workers but not the agent, which then still keeps each gauge for two *default* intervals (20 s).
-    It changes nothing for a Ray that is already running.
-    """
-    if interval_ms <= 0:
-        raise ValueError(f"the report interval is a positive number of milliseconds, got {interval_ms}")
-    os.environ[REPORT_INTERVAL_ENV] = str(int(interval_ms))

@@ -9,9 +9,11 @@
     └── riskserve.decision      ingress, one per request: outcome, risk_score
 
 Every replica is its own process, so every replica calls :func:`configure_tracing` in its constructor and
-:func:`shutdown_tracing` when it stops. The trace crosses processes as a small W3C carrier dict
-(``{"traceparent": ..., "tracestate": ...}``): :func:`inject` makes it from the current span and the
-callee's :func:`extract` turns it back into the parent context of its span.
+releases the :class:`TracingLease` it got when it stops; the exporter closes with the last lease, so a
+second holder in the same process (the ingress's in-process feature stage) keeps tracing. The trace
+crosses processes as a small W3C carrier dict (``{"traceparent": ..., "tracestate": ...}``):
+:func:`inject` makes it from the current span and the callee's :func:`extract` turns it back into the
+parent context of its span.
 
 riskserve keeps its own ``TracerProvider`` and never installs the process-global one: Ray Serve's own
 tracing (``RAY_SERVE_TRACING_*``) sets the global provider in replicas, and the global one can be set
@@ -66,6 +68,7 @@ __all__ = [
     "SPAN_MODEL_PREDICT",
     "JsonLinesSpanExporter",
     "SpanKind",
+    "TracingLease",
     "TracingSettings",
     "carrier_from_grpc",
     "configure_tracing",
@@ -81,6 +84,7 @@ __all__ = [
     "span_to_dict",
     "start_span",
     "trace_id_of",
+    "tracing_holders",
 ]
 
 SPAN_DECIDE = "riskserve.decide"
@@ -289,6 +293,11 @@ def _new_state(settings: TracingSettings | None) -> _State:
 
 _lock = threading.Lock()
 _state: _State | None = None
+"""This process's tracer provider (OpenTelemetry's is per process too); ``None``: not configured."""
+_holders = 0
+"""Leases on ``_state`` not yet released: the provider is shut down when the last one is."""
+_generation = 0
+"""Bumped by :func:`shutdown_tracing`: leases taken before it are void (their release does nothing)."""
 
 
 def _current() -> _State:
@@ -302,26 +311,72 @@ def _current() -> _State:
     return state
 
 
-def configure_tracing(settings: TracingSettings) -> None:
-    """Install this process's tracer provider; every Serve replica calls it in its constructor.
+class TracingLease:
+    """One holder's use of the process's tracing, from :func:`configure_tracing` to :meth:`release`.
 
-    Idempotent: calling it again with equal settings does nothing (several deployments in one process, a
-    constructor retried by Serve). Different settings replace the provider: new spans go to the new one,
-    then the old one is flushed and shut down, so what it ended is exported once, to where it was meant
-    to go. Never touches the process-global provider.
+    Several holders can share a process (an ingress and its in-process feature stage, two replicas that
+    Ray put in one worker): each releases its own lease when it stops, and the exporter is flushed and
+    closed only when the last one does, so one stopping never silences another.
+    """
+
+    __slots__ = ("_generation", "_released")
+
+    def __init__(self, generation: int) -> None:
+        self._generation = generation
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` has run."""
+        return self._released
+
+    def release(self, timeout_ms: int = 5000) -> None:
+        """Give the lease back (a replica's shutdown); the last one closes the exporter. Idempotent."""
+        global _state, _holders
+        with _lock:
+            if self._released:
+                return
+            self._released = True
+            if self._generation != _generation:
+                return  # shutdown_tracing closed everything since this lease was taken
+            _holders -= 1
+            if _holders:
+                return
+            old, _state = _state, None
+        if old is not None:
+            _shutdown(old.provider, timeout_ms)
+
+
+def configure_tracing(settings: TracingSettings) -> TracingLease:
+    """Install this process's tracer provider and take a lease on it; every Serve replica calls it in its
+    constructor and releases the lease when it stops (:meth:`TracingLease.release`).
+
+    Equal settings share the provider (several deployments in one process, a constructor retried by
+    Serve). Different settings replace it for every holder: new spans go to the new one, then the old one
+    is flushed and shut down, so what it ended is exported once, to where it was meant to go. Never
+    touches the process-global provider.
 
     Raises:
         ConfigError: the ``file`` exporter cannot open ``file_path`` for appending.
     """
-    global _state
+    global _state, _holders
     with _lock:
         if _state is not None and _state.settings == settings:
-            return
+            _holders += 1
+            return TracingLease(_generation)
         new = _new_state(settings)
         old, _state = _state, new
+        _holders += 1
+        lease = TracingLease(_generation)
     if old is not None:
         _shutdown(old.provider)
     _log.debug("tracing: exporter=%s sample_ratio=%s", settings.exporter, settings.sample_ratio)
+    return lease
+
+
+def tracing_holders() -> int:
+    """Leases taken by :func:`configure_tracing` and not yet released, in this process."""
+    return _holders
 
 
 def flush_tracing(timeout_ms: int = 5000) -> bool:
@@ -331,14 +386,16 @@ def flush_tracing(timeout_ms: int = 5000) -> bool:
 
 
 def shutdown_tracing(timeout_ms: int = 5000) -> None:
-    """Flush and close this process's exporter (a replica's ``__del__``); safe to call more than once.
+    """Flush and close this process's exporter whoever holds it: at process exit (``atexit``) and in
+    tests. A replica releases its :class:`TracingLease` instead. Safe to call more than once.
 
     Afterwards the process is back to the unconfigured state: spans still get ids and propagate, nothing is
-    exported, and :func:`configure_tracing` may install a provider again.
+    exported, and :func:`configure_tracing` may install a provider again (earlier leases are void).
     """
-    global _state
+    global _state, _holders, _generation
     with _lock:
-        old, _state = _state, None
+        old, _state, _holders = _state, None, 0
+        _generation += 1
     if old is not None:
         _shutdown(old.provider, timeout_ms)
 

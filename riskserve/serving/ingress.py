@@ -23,7 +23,7 @@ from riskserve.learning.recorder import DecisionRecorder
 from riskserve.platform.errors import InvalidInput, ModelUnavailable, NotFound, RiskServeError
 from riskserve.platform.metrics import PipelineMetrics
 from riskserve.platform.runner import CandidateReport, ModelRunner, ModelStatus
-from riskserve.platform.tracing import configure_tracing, shutdown_tracing
+from riskserve.platform.tracing import configure_tracing
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.schema.pipeline import PipelineSpec
 from riskserve.serving.auditing import audit_writer
@@ -56,7 +56,7 @@ class PipelineIngress:
         self, spec: dict[str, Any], features: Any, models: dict[str, Any], feedback: Any = None
     ) -> None:
         self._spec = PipelineSpec.model_validate(spec)
-        configure_tracing(self._spec.tracing)
+        self._tracing = configure_tracing(self._spec.tracing)
         self.name = self._spec.name
         self.decision_timeout_ms = self._spec.serving.decision_timeout_ms
         serving = self._spec.serving
@@ -169,7 +169,7 @@ class PipelineIngress:
             await asyncio.shield(runner.stop())
         if self._audit is not None:  # after the drain: every answered decision is in the store
             await asyncio.to_thread(self._audit.close)
-        await asyncio.to_thread(shutdown_tracing)
+        await asyncio.to_thread(self._tracing.release)
 
     # -- health -------------------------------------------------------------------------------------------
 

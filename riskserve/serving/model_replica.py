@@ -24,7 +24,6 @@ from riskserve.platform.tracing import (
     TracingSettings,
     configure_tracing,
     extract,
-    shutdown_tracing,
     start_span,
 )
 from riskserve.platform.validation import FeatureMatrix
@@ -59,7 +58,7 @@ class ModelReplica:
     ) -> None:
         """``columns``: the shared matrix's; ``declared``: what the pipeline says the model reads;
         ``batching``: ``{max_batch_size, max_wait_ms}`` to batch concurrent text calls."""
-        configure_tracing(TracingSettings.model_validate(tracing or {}))
+        self._tracing = configure_tracing(TracingSettings.model_validate(tracing or {}))
         self._runner = ModelRunner(
             name, kind, settings, columns, declared, backends=backend, placement="deployment"
         )
@@ -160,4 +159,4 @@ class ModelReplica:
     async def __del__(self) -> None:
         """Serve awaits this at replica shutdown: unload the model (vLLM frees its engine)."""
         await asyncio.shield(self._runner.stop())
-        await asyncio.to_thread(shutdown_tracing)
+        await asyncio.to_thread(self._tracing.release)

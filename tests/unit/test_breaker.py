@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import pickle
 import random
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-import grpc
 import pytest
 from pydantic import ValidationError
 
@@ -20,10 +17,8 @@ from riskserve.platform.breaker import (
     BreakerSettings,
     BreakerState,
     CircuitBreaker,
-    CircuitOpen,
     Permit,
 )
-from riskserve.platform.errors import InvalidInput, ModelUnavailable
 
 CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 FAST = 0.010
@@ -405,112 +400,6 @@ def test_a_closed_permit_completing_in_half_open_is_dropped() -> None:
     for probe in probes:
         probe.success(FAST)
     assert breaker.state is CLOSED
-
-
-# -- call() --
-
-
-def test_call_times_with_the_injected_clock_and_records_the_outcome() -> None:
-    clock = FakeClock()
-    breaker = make(clock, minimum_calls=2, window_size=2, slow_call_rate_threshold=1.0)
-
-    async def answer_slowly() -> str:
-        clock.now += 0.5
-        return "scored"
-
-    assert asyncio.run(breaker.call(answer_slowly, is_client_error=lambda _: False)) == "scored"
-    assert breaker.snapshot().slow_call_rate == 1.0
-    assert breaker.state is CLOSED
-    assert asyncio.run(breaker.call(answer_slowly, is_client_error=lambda _: False)) == "scored"
-    assert breaker.state is OPEN  # two slow calls of two
-
-
-def test_call_counts_failures_and_timeouts_and_re_raises_them() -> None:
-    breaker = make(minimum_calls=2, window_size=2)
-
-    async def broken() -> None:
-        raise RuntimeError("engine died")
-
-    async def timed_out() -> None:
-        raise TimeoutError
-
-    with pytest.raises(RuntimeError, match="engine died"):
-        asyncio.run(breaker.call(broken, is_client_error=lambda _: False))
-    assert breaker.snapshot().failure_rate == 1.0
-    with pytest.raises(TimeoutError):
-        asyncio.run(breaker.call(timed_out, is_client_error=lambda _: False))
-    assert breaker.state is OPEN
-
-
-def test_call_ignores_client_errors_and_cancellations() -> None:
-    clock = FakeClock()
-    breaker = make(clock, half_open_probes=1)
-    trip(breaker)
-    clock.now += 5
-
-    async def bad_request() -> None:
-        raise InvalidInput("NaN", field="amount")
-
-    async def cancelled() -> None:
-        raise asyncio.CancelledError
-
-    def is_client_error(error: BaseException) -> bool:
-        return isinstance(error, InvalidInput)
-
-    async def scenario() -> None:
-        with pytest.raises(InvalidInput):
-            await breaker.call(bad_request, is_client_error=is_client_error)
-        with pytest.raises(asyncio.CancelledError):
-            await breaker.call(cancelled, is_client_error=is_client_error)
-
-    asyncio.run(scenario())
-    assert breaker.state is HALF_OPEN  # neither re-opened it, and the one probe slot came back each time
-    acquire(breaker).success(FAST)
-    assert breaker.state is CLOSED
-
-
-def test_a_raising_classifier_still_resolves_the_permit_as_a_failure() -> None:
-    breaker = make(minimum_calls=1, window_size=1)
-
-    async def broken() -> None:
-        raise RuntimeError("engine died")
-
-    def classifier(error: BaseException) -> bool:
-        raise KeyError("bug")
-
-    with pytest.raises(KeyError):
-        asyncio.run(breaker.call(broken, is_client_error=classifier))
-    assert breaker.state is OPEN
-
-
-def test_call_raises_circuit_open_without_calling_when_rejected() -> None:
-    clock = FakeClock(100.0)
-    breaker = make(clock, half_open_probes=1)
-    trip(breaker)
-    called = False
-
-    async def fn() -> None:
-        nonlocal called
-        called = True
-
-    clock.now = 101.5
-    with pytest.raises(CircuitOpen) as info:
-        asyncio.run(breaker.call(fn, is_client_error=lambda _: False))
-    assert not called
-    error = info.value
-    assert isinstance(error, ModelUnavailable)
-    assert error.grpc_status is grpc.StatusCode.UNAVAILABLE
-    assert (error.breaker, error.retry_after_s) == ("fraud", 3.5)
-    assert "'fraud' is open" in str(error)
-    clone = pickle.loads(pickle.dumps(error))  # errors cross Ray process boundaries
-    assert (clone.breaker, clone.retry_after_s, str(clone)) == ("fraud", 3.5, str(error))
-
-    clock.now = 105.0
-    probe = acquire(breaker)
-    with pytest.raises(CircuitOpen, match="half-open") as info:
-        asyncio.run(breaker.call(fn, is_client_error=lambda _: False))
-    assert info.value.retry_after_s is None
-    probe.success(FAST)
 
 
 # -- threads --
