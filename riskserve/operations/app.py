@@ -30,6 +30,7 @@ from riskserve.schema.pools import actor_options, check_pools, ingress_cpus
 from riskserve.serving.ingress import PipelineIngress
 from riskserve.serving.model_lane import LanedModelReplica
 from riskserve.serving.model_replica import ModelReplica
+from riskserve.wrappers import registered_backends
 
 __all__ = ["AppArgs", "build_app", "build_application"]
 
@@ -110,6 +111,9 @@ def build_application(
     check_pools(spec)  # also refused by `riskserve up`, across all the pipelines it starts together
     data = spec.resolved()
     names = deployment_names(spec)
+    # test-only backend kinds registered in this process travel to the replicas that serve them
+    registered = registered_backends({model.kind for model in spec.models.values()})
+    extra: dict[str, Any] = {"registered": registered} if registered else {}
     features = None
     if spec.serving.feature_stage == "deployment":
         features_args = (data["features"], data["tracing"], spec.serving.matrix_retain_s)
@@ -142,12 +146,12 @@ def build_application(
         lane = {"lane": {"ongoing": max_ongoing, "queued": model.max_queued_requests}}
         lane = lane if spec.serving.model_lanes else {}
         versioned = _versioned(deployment, _version(names[name], args, lane))
-        models[name] = versioned.options(user_config={"artifact": str(artifact)}).bind(*args, **lane)
+        models[name] = versioned.options(user_config={"artifact": str(artifact)}).bind(*args, **lane, **extra)
     feedback = None
     if spec.feedback is not None:
         feedback_stage = _stage(FeedbackService, names[FEEDBACK], spec, spec.feedback.stage, data)
         feedback = feedback_stage.bind(
-            data, build_application
+            data, build_application, **extra
         )  # the service publishes by rebuilding this app
     in_ingress = {
         name: str((artifacts or {}).get(name) or data["models"][name]["artifact"])
@@ -159,7 +163,7 @@ def build_application(
     )
     ingress: Application = ingress_deployment.options(
         user_config={"draining": draining, "artifacts": in_ingress, "shadows": shadows or {}}
-    ).bind(data, features, models, feedback)
+    ).bind(data, features, models, feedback, **extra)
     return ingress
 
 

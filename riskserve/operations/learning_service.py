@@ -36,6 +36,7 @@ from riskserve.platform.runner import ModelStatus
 from riskserve.platform.secret import install_secret, secret_path
 from riskserve.schema.deployments import INGRESS
 from riskserve.schema.pipeline import PipelineSpec
+from riskserve.wrappers import BackendEntry, register_backend
 
 __all__ = ["FeedbackService"]
 
@@ -52,8 +53,13 @@ ERROR_BACKOFF_S = 2.0
 class FeedbackService:
     """Serve deployment: ``record_decisions``, ``record_feedback``, ``status``; learns in a thread."""
 
-    def __init__(self, spec: dict[str, Any], build: AppBuilder) -> None:
-        """``build``: the builder of the application this service is part of, to publish new versions."""
+    def __init__(
+        self, spec: dict[str, Any], build: AppBuilder, registered: dict[str, BackendEntry] | None = None
+    ) -> None:
+        """``build``: the builder of the application this service is part of, to publish new versions;
+        ``registered``: test-only backend kinds the builder's process registered (see ``wrappers``)."""
+        for kind, entry in (registered or {}).items():
+            register_backend(kind, *entry)
         self._spec = PipelineSpec.model_validate(spec)
         self._build = build
         feedback = self._spec.feedback

@@ -8,6 +8,7 @@ same way, so metrics, tracing and circuit breaking never live in a wrapper.
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -113,6 +114,12 @@ class BaseModel(abc.ABC, Generic[InputT, SettingsT]):
     def __init__(self, settings: SettingsT) -> None:
         self.settings = settings
         self._ready = False
+
+    @classmethod
+    def artifact_kind(cls, settings: Mapping[str, Any]) -> str:
+        """The kind of artifact this backend serves with ``settings`` (the YAML's ``settings`` section):
+        its own, unless it wraps another backend (a test's fault injector serves its ``inner_kind``'s)."""
+        return cls.kind
 
     @property
     def name(self) -> str:

@@ -250,10 +250,9 @@ class ModelRunner:
 
     @property
     def _artifact_kind(self) -> str:
-        """The kind written in the artifact's manifest (a fault-injecting wrapper serves another kind's)."""
-        if self.kind == "fault_injection":
-            return str(self._settings.get("inner_kind", "sklearn"))
-        return self.kind
+        """The kind written in the artifact's manifest (a wrapping backend serves another kind's)."""
+        model_class, _ = self._backends(self.kind)
+        return model_class.artifact_kind(self._settings)
 
     def _current(self) -> _Loaded:
         loaded = self._loaded

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -20,7 +21,7 @@ from riskserve.platform.tracing import TracingSettings
 from riskserve.schema.base import NAME as _NAME
 from riskserve.schema.base import Strict as _Strict
 from riskserve.schema.rules import DecisionEngine, DecisionSpec, RuleScope, RuleSpec, rule_errors
-from riskserve.wrappers import backend
+from riskserve.wrappers import backend, known_kind
 
 __all__ = [
     "AuditSpec",
@@ -207,19 +208,15 @@ class BatchingSpec(_Strict):
 
 
 Placement = Literal["ingress", "deployment"]
-_DEFAULT_PLACEMENT: dict[str, Placement] = {
-    "treelite": "ingress",
-    "sklearn": "ingress",
-    "vllm": "deployment",
-    "fault_injection": "deployment",
-}
+_DEFAULT_PLACEMENT: dict[str, Placement] = {"treelite": "ingress", "sklearn": "ingress", "vllm": "deployment"}
+"""Where each built-in kind runs unless the YAML says; any other (a test's) kind: its own deployment."""
 
 
 class ModelSpec(_Strict):
     """One model of the pipeline and how it is served."""
 
-    kind: Literal["vllm", "treelite", "sklearn", "fault_injection"]
-    """Backend (``fault_injection`` wraps another backend to make it fail or slow on purpose, for drills)."""
+    kind: Annotated[str, AfterValidator(known_kind)]
+    """Backend: ``treelite``, ``sklearn`` or ``vllm`` (or a test-only kind its test registered)."""
     artifact: Path
     """Artifact directory; a relative path is relative to the YAML file."""
     pool: str
@@ -275,7 +272,7 @@ class ModelSpec(_Strict):
     @property
     def in_ingress(self) -> bool:
         """Whether the model runs inside the ingress replicas (its placement, or its kind's default)."""
-        return (self.placement or _DEFAULT_PLACEMENT[self.kind]) == "ingress"
+        return (self.placement or _DEFAULT_PLACEMENT.get(self.kind, "deployment")) == "ingress"
 
     @property
     def health_check_timeout(self) -> float:
@@ -284,12 +281,14 @@ class ModelSpec(_Strict):
             return self.health_check_timeout_s
         return 10.0 if self.reads_text else DEFAULT_HEALTH_CHECK_TIMEOUT_S
 
-    @property
+    @functools.cached_property
     def reads_text(self) -> bool:
-        """Whether the model is fed the request text (LLMs) instead of the feature matrix."""
-        return self.kind == "vllm" or (
-            self.kind == "fault_injection" and self.settings.get("inner_kind") == "vllm"
-        )
+        """Whether the model is fed the request text (LLMs) instead of the feature matrix (read per call:
+        worked out once, from the artifacts its backend serves)."""
+        if self.kind in _DEFAULT_PLACEMENT:
+            return self.kind == "vllm"
+        model_class, _ = backend(self.kind)  # a wrapping (test) backend serves another kind's artifacts
+        return model_class.artifact_kind(self.settings) == "vllm"
 
 
 class ReasonsSpec(_Strict):

@@ -36,7 +36,7 @@ from riskserve.serving.model_lane import Lanes, LaneUse
 from riskserve.serving.reasons import ReasonExplainer
 from riskserve.serving.shadow import ShadowFigures, Shadows
 from riskserve.serving.tokens import Caller
-from riskserve.wrappers import backend
+from riskserve.wrappers import BackendEntry, backend, register_backend
 
 __all__ = ["PipelineIngress"]
 
@@ -53,8 +53,16 @@ class PipelineIngress:
     """Serve deployment: the front door, the decision flow and the models placed in the ingress."""
 
     async def __init__(  # type: ignore[misc]
-        self, spec: dict[str, Any], features: Any, models: dict[str, Any], feedback: Any = None
+        self,
+        spec: dict[str, Any],
+        features: Any,
+        models: dict[str, Any],
+        feedback: Any = None,
+        registered: dict[str, BackendEntry] | None = None,
     ) -> None:
+        """``registered``: test-only backend kinds the builder's process registered (see ``wrappers``)."""
+        for kind, entry in (registered or {}).items():
+            register_backend(kind, *entry)
         self._spec = PipelineSpec.model_validate(spec)
         self._tracing = configure_tracing(self._spec.tracing)
         self.name = self._spec.name

@@ -27,7 +27,7 @@ from riskserve.platform.tracing import (
     start_span,
 )
 from riskserve.platform.validation import FeatureMatrix
-from riskserve.wrappers import backend
+from riskserve.wrappers import BackendEntry, backend, register_backend
 
 __all__ = ["InputInfo", "ModelReplica", "SharedMatrix"]
 
@@ -55,9 +55,13 @@ class ModelReplica:
         declared: list[str] | None = None,
         tracing: dict[str, Any] | None = None,
         batching: dict[str, Any] | None = None,
+        registered: dict[str, BackendEntry] | None = None,
     ) -> None:
         """``columns``: the shared matrix's; ``declared``: what the pipeline says the model reads;
-        ``batching``: ``{max_batch_size, max_wait_ms}`` to batch concurrent text calls."""
+        ``batching``: ``{max_batch_size, max_wait_ms}`` to batch concurrent text calls; ``registered``:
+        test-only backend kinds the builder's process registered (see :mod:`riskserve.wrappers`)."""
+        for kind, entry in (registered or {}).items():
+            register_backend(kind, *entry)
         self._tracing = configure_tracing(TracingSettings.model_validate(tracing or {}))
         self._runner = ModelRunner(
             name, kind, settings, columns, declared, backends=backend, placement="deployment"

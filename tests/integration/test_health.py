@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
+from tests import fault_injection
 
 from .conftest import ServeCluster, channel, deploy, pipeline_on
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fault_injection_registered() -> Iterator[None]:
+    """``kind: fault_injection`` is a test-only backend: known only while this module runs."""
+    with fault_injection.registered():
+        yield
+
 
 pytestmark = pytest.mark.slow
 

@@ -33,9 +33,18 @@ from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 from riskserve.wrappers.sklearn_model import LinearSnapshot, save_sklearn_artifact
+from tests import fault_injection
 
 from ..learning_helpers import own_connection, replica_statuses
 from .conftest import ServeCluster, deploy, endpoint, pipeline_on
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fault_injection_registered() -> Iterator[None]:
+    """``kind: fault_injection`` is a test-only backend: known only while this module runs."""
+    with fault_injection.registered():
+        yield
+
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

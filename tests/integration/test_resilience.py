@@ -23,8 +23,17 @@ from riskserve.client import RiskClient
 from riskserve.platform.errors import DeadlineExceeded, Overloaded
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.schema.pipeline import PipelineSpec
+from tests import fault_injection
 
 from .conftest import ServeCluster, deploy, endpoint, pipeline_on
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fault_injection_registered() -> Iterator[None]:
+    """``kind: fault_injection`` is a test-only backend: known only while this module runs."""
+    with fault_injection.registered():
+        yield
+
 
 pytestmark = pytest.mark.slow
 

@@ -71,7 +71,10 @@ def _errors(data: dict[str, Any]) -> str:
             "models.fraud.timout_ms: Extra inputs are not permitted",
         ),
         (lambda d: d["models"]["credit"].update(pool="gpu9"), "models.credit.pool: unknown pool 'gpu9'"),
-        (lambda d: d["models"]["credit"].update(kind="onnx"), "models.credit.kind: Input should be"),
+        (
+            lambda d: d["models"]["credit"].update(kind="onnx"),
+            "models.credit.kind: Value error, unknown model kind",
+        ),
         (lambda d: d["models"]["fraud"].update(columns=["nope"]), "models.fraud.columns: not produced"),
         (lambda d: d["models"]["fraud"]["fallback"].clear(), "models.fraud.fallback: Value error"),
         (

@@ -1,4 +1,8 @@
-"""A wrapper that makes a real model fail or slow down on purpose: for tests and failure drills only.
+"""A test-only backend that makes a real model fail or slow down on purpose (never a production kind).
+
+A test that uses it calls :func:`register` first: then a pipeline may name ``kind: fault_injection``
+(without that, loading such a pipeline fails with "unknown model kind"), and the application builder
+hands the registration to the replicas it deploys.
 
 It loads and serves a real backend (``inner_kind``) and, before each prediction, reads a small JSON control
 file so a drill can change the fault while the pipeline runs, without a restart::
@@ -12,7 +16,9 @@ out), ``fail: true`` raises instead of predicting. A missing file means no fault
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +27,11 @@ from pydantic import ConfigDict, Field
 
 from riskserve.platform.base_model import BaseModel, ModelOutput, ModelSettings
 from riskserve.platform.errors import ModelUnavailable
+from riskserve.wrappers import backend, register_backend, unregister_backend
 
-__all__ = ["FaultInjectingModel", "FaultInjectionSettings", "Faults"]
+__all__ = ["KIND", "FaultInjectingModel", "FaultInjectionSettings", "Faults", "register"]
+
+KIND = "fault_injection"
 
 
 class Faults(_Schema):
@@ -50,12 +59,14 @@ class FaultInjectionSettings(ModelSettings):
 class FaultInjectingModel(BaseModel[Any, FaultInjectionSettings]):
     """Delegates to a real model; injects the faults the control file asks for."""
 
-    kind = "fault_injection"
+    kind = KIND
+
+    @classmethod
+    def artifact_kind(cls, settings: Mapping[str, Any]) -> str:
+        return str(settings.get("inner_kind", FaultInjectionSettings.model_fields["inner_kind"].default))
 
     def __init__(self, settings: FaultInjectionSettings) -> None:
         super().__init__(settings)
-        from riskserve.wrappers import backend
-
         model_class, settings_class = backend(settings.inner_kind)
         inner = {
             "name": settings.name,
@@ -103,3 +114,18 @@ class FaultInjectingModel(BaseModel[Any, FaultInjectionSettings]):
             "faults": self.faults().model_dump(),
             **self.inner.details(),
         }
+
+
+def register() -> None:
+    """Make ``kind: fault_injection`` a known backend in this process (and the replicas it deploys)."""
+    register_backend(KIND, __name__, FaultInjectingModel.__name__, FaultInjectionSettings.__name__)
+
+
+@contextlib.contextmanager
+def registered() -> Iterator[None]:
+    """The kind registered for the duration (a test module's fixture), then removed again."""
+    register()
+    try:
+        yield
+    finally:
+        unregister_backend(KIND)
