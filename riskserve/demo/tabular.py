@@ -84,7 +84,7 @@ def train_xgboost(
     """Gradient-boosted trees (binary:logistic), single-threaded so the build is deterministic."""
     import xgboost
 
-    from riskserve.wrappers.treelite_model import save_xgboost_artifact
+    from riskserve.wrappers.treelite_compile import save_xgboost_artifact
 
     # Column names live in the manifest: XGBoost refuses names such as "merchant_category=<unknown>".
     train = xgboost.DMatrix(data.x_train, label=data.y_train)

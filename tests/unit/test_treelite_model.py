@@ -30,16 +30,9 @@ from riskserve.platform import (
     write_manifest,
 )
 from riskserve.platform.secret import install_secret
-from riskserve.wrappers import treelite_model
-from riskserve.wrappers.treelite_model import (
-    DIRECT_MAX_ROWS,
-    GOLDEN_FILE,
-    LIBRARY_NAME,
-    TreeliteModel,
-    TreeliteSettings,
-    _BuildRecord,
-    save_xgboost_artifact,
-)
+from riskserve.wrappers import treelite_compile
+from riskserve.wrappers.treelite_compile import GOLDEN_FILE, LIBRARY_NAME, _BuildRecord, save_xgboost_artifact
+from riskserve.wrappers.treelite_model import DIRECT_MAX_ROWS, TreeliteModel, TreeliteSettings
 
 TOLERANCE = 1e-5
 NO_COMPILER = "riskserve-no-such-cc"
@@ -288,13 +281,13 @@ def test_a_library_swapped_after_its_hash_was_checked_is_not_what_is_loaded(
     cache = tmp_path / "cache"
     shutil.copytree(served.cache, cache)
     slot = cache / Path(served.model.details()["library"]).parent.name
-    real_open = treelite_model._open_predictor
+    real_open = treelite_compile._open_predictor
 
     def swap_then_open(library: Path, nthread: int, n_features: int) -> Any:
         (slot / LIBRARY_NAME).write_bytes(evil)
         return real_open(library, nthread, n_features)
 
-    monkeypatch.setattr(treelite_model, "_open_predictor", swap_then_open)
+    monkeypatch.setattr(treelite_compile, "_open_predictor", swap_then_open)
     model = _load(_settings(served.artifact, cache))
     assert not marker.exists(), "the swapped-in library ran"
     assert model.details()["cache_hit"] is True
