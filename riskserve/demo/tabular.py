@@ -14,14 +14,42 @@ from sklearn.preprocessing import StandardScaler
 from riskserve.demo.dataset import FEATURE_NAMES, Transactions, generate_transactions, tabular_features
 from riskserve.platform.artifacts import Artifact
 from riskserve.wrappers.sklearn_model import (
+    LinearParams,
+    LinearSnapshot,
+    ScalerParams,
     SGDHyperparameters,
     save_sklearn_artifact,
-    snapshot_from_logistic_regression,
 )
 
 __all__ = ["TabularData", "TrainedModel", "make_tabular_data", "train_fraud_lr", "train_xgboost"]
 
 GOLDEN_ROWS = 64
+
+
+def snapshot_from_logistic_regression(
+    classifier: LogisticRegression,
+    scaler: StandardScaler,
+    *,
+    trained_rows: int,
+    hyperparameters: SGDHyperparameters | None = None,
+) -> LinearSnapshot:
+    """Start the online model from an offline ``LogisticRegression`` fit on ``scaler``-ed data.
+
+    ``t`` is set to the rows trained on, so the first online steps are as small as if SGD had seen them.
+    """
+    params = LinearParams(
+        hyperparameters=hyperparameters or SGDHyperparameters(),
+        coef=[float(v) for v in np.ravel(classifier.coef_)],
+        intercept=float(np.ravel(classifier.intercept_)[0]),
+        t=float(max(trained_rows, 1)),
+        scaler=ScalerParams(
+            mean=[float(v) for v in scaler.mean_],
+            var=[float(v) for v in scaler.var_],
+            scale=[float(v) for v in scaler.scale_],
+            n_samples_seen=int(scaler.n_samples_seen_),
+        ),
+    )
+    return LinearSnapshot.from_params(params)
 
 
 @dataclass(frozen=True)

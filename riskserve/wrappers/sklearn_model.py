@@ -28,7 +28,7 @@ from numpy.typing import NDArray
 from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 from scipy.special import expit
-from sklearn.linear_model import LogisticRegression, SGDClassifier
+from sklearn.linear_model import SGDClassifier
 from sklearn.preprocessing import StandardScaler
 
 from riskserve.platform.artifacts import (
@@ -54,7 +54,6 @@ __all__ = [
     "check_direct_scoring",
     "load_sklearn_artifact",
     "save_sklearn_artifact",
-    "snapshot_from_logistic_regression",
     "snapshot_scores",
 ]
 
@@ -214,32 +213,6 @@ class LinearSnapshot:
         """Plain numpy ``expit(((x - mean) / scale) @ w + b)``: the floor scikit-learn is measured against."""
         z = ((batch - self.mean) / self.scale) @ self.coef + self.params.intercept
         return np.asarray(1.0 / (1.0 + np.exp(-z)), dtype=np.float64)
-
-
-def snapshot_from_logistic_regression(
-    classifier: LogisticRegression,
-    scaler: StandardScaler,
-    *,
-    trained_rows: int,
-    hyperparameters: SGDHyperparameters | None = None,
-) -> LinearSnapshot:
-    """Start the online model from an offline ``LogisticRegression`` fit on ``scaler``-ed data.
-
-    ``t`` is set to the rows trained on, so the first online steps are as small as if SGD had seen them.
-    """
-    params = LinearParams(
-        hyperparameters=hyperparameters or SGDHyperparameters(),
-        coef=[float(v) for v in np.ravel(classifier.coef_)],
-        intercept=float(np.ravel(classifier.intercept_)[0]),
-        t=float(max(trained_rows, 1)),
-        scaler=ScalerParams(
-            mean=[float(v) for v in scaler.mean_],
-            var=[float(v) for v in scaler.var_],
-            scale=[float(v) for v in scaler.scale_],
-            n_samples_seen=int(scaler.n_samples_seen_),
-        ),
-    )
-    return LinearSnapshot.from_params(params)
 
 
 class SklearnSettings(ModelSettings):
