@@ -96,17 +96,53 @@ def _min(a: float, b: float) -> float:
 _FUNCTIONS = {"max": _max, "min": _min}
 
 
-@dataclass(frozen=True)
 class ModelResult:
-    """One model's answer for one request, real or fallback, as the decision step sees it."""
+    """One model's answer for one request, real or fallback, as the decision step sees it.
 
-    name: str
-    version: str
-    score: float
-    label: str = ""
-    fallback: bool = False
-    fallback_reason: str = ""
-    latency_ms: float = 0.0
+    Made once per row per model on the request path, so it is a ``__slots__`` class with a plain
+    ``__init__``: about 2.5x cheaper to create than the frozen dataclass it was (ARCHITECTURE.md has the
+    figure). Treat it as immutable; :meth:`replace` gives a changed copy.
+    """
+
+    __slots__ = ("fallback", "fallback_reason", "label", "latency_ms", "name", "score", "version")
+
+    def __init__(
+        self,
+        name: str,
+        version: str,
+        score: float,
+        label: str = "",
+        fallback: bool = False,
+        fallback_reason: str = "",
+        latency_ms: float = 0.0,
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.score = score
+        self.label = label
+        self.fallback = fallback
+        self.fallback_reason = fallback_reason
+        self.latency_ms = latency_ms
+
+    def _fields(self) -> tuple[str, str, float, str, bool, str, float]:
+        return (self.name, self.version, self.score, self.label, self.fallback, self.fallback_reason,
+                self.latency_ms)  # fmt: skip
+
+    def replace(self, *, score: float, version: str) -> ModelResult:
+        """This result with another score and version (a shadow candidate's answer in its place)."""
+        return ModelResult(self.name, version, score, self.label, self.fallback, self.fallback_reason,
+                           self.latency_ms)  # fmt: skip
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ModelResult) and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return (f"ModelResult(name={self.name!r}, version={self.version!r}, score={self.score!r}, "
+                f"label={self.label!r}, fallback={self.fallback!r}, "
+                f"fallback_reason={self.fallback_reason!r}, latency_ms={self.latency_ms!r})")  # fmt: skip
 
 
 @dataclass(frozen=True)

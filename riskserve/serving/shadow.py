@@ -25,7 +25,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -324,7 +324,7 @@ class ShadowModel:
             for i, score in enumerate(answer.scores, start=start):
                 results = sampled.results[i]
                 serving = results[self.model]
-                candidate = replace(serving, score=score, version=answer.version)
+                candidate = serving.replace(score=score, version=answer.version)
                 outcome = self._engine.decide(sampled.rows[i], {**results, self.model: candidate}).outcome
                 comparison.add(sampled.ids[i], serving.score, score, (sampled.outcomes[i], outcome))
                 if outcome != sampled.outcomes[i]:
