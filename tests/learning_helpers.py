@@ -12,13 +12,13 @@ import numpy as np
 from riskserve.client import RiskClient
 from riskserve.demo.dataset import generate_transactions
 from riskserve.features.encoder import FeatureEncoder, RawRequest
-from riskserve.learning.learner import is_holdout
+from riskserve.learning.learner import is_holdout, train_step
 from riskserve.platform.errors import RiskServeError
 from riskserve.platform.runner import ModelStatus
 from riskserve.platform.secret import install_secret, secret_path
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.schema.pipeline import PipelineSpec
-from riskserve.wrappers.sklearn_model import LinearSnapshot, train_step
+from riskserve.wrappers.sklearn_model import LinearSnapshot
 
 BATCH = 16
 HOLDOUT_EVERY = 4

@@ -54,10 +54,10 @@ from riskserve.schema.pipeline import OnlineLearningSpec
 from riskserve.wrappers.sklearn_model import (
     GOLDEN_FILE,
     LinearSnapshot,
+    ScalerParams,
     load_sklearn_artifact,
     save_sklearn_artifact,
     snapshot_scores,
-    train_step,
 )
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "is_holdout",
     "load_version",
     "log_loss",
+    "train_step",
 ]
 
 BatchOutcome = Literal["applied", "reverted", "held_out", "paused"]
@@ -459,3 +460,30 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def train_step(
+    parent: LinearSnapshot, batch: NDArray[np.float32], labels: NDArray[np.int64], *, update_scaler: bool
+) -> LinearSnapshot:
+    """One mini-batch of online learning from ``parent``; pure: ``parent`` is left as it was."""
+    x = batch.astype(np.float64)  # SGD's float64 coefficients need float64 rows
+    scaler = parent.make_scaler()
+    if update_scaler:
+        scaler.partial_fit(x)
+    classifier = parent.make_classifier()
+    classifier.partial_fit(scaler.transform(x), labels)
+    params = parent.params.model_copy(
+        update={
+            "coef": [float(v) for v in classifier.coef_.ravel()],
+            "intercept": float(classifier.intercept_[0]),
+            "t": float(classifier.t_),
+            "scaler": ScalerParams(
+                mean=[float(v) for v in scaler.mean_],
+                var=[float(v) for v in scaler.var_],
+                scale=[float(v) for v in scaler.scale_],
+                n_samples_seen=int(scaler.n_samples_seen_),
+            ),
+            "parent": parent.version,
+        }
+    )
+    return LinearSnapshot.from_params(params)

@@ -1,10 +1,11 @@
-"""scikit-learn logistic regression that learns online: ``SGDClassifier(loss="log_loss")`` behind a scaler.
+"""Serving a scikit-learn logistic regression that learns online: ``SGDClassifier(loss="log_loss")``
+behind a scaler.
 
-A served version is an immutable :class:`LinearSnapshot`. ``partial_fit`` never touches it: it trains a
-copy and publishes a new snapshot with one reference assignment, so a batch in flight finishes on the
-version it started with. Scoring reads the snapshot's read-only arrays directly
-(:meth:`LinearSnapshot.score`, checked equal to scikit-learn's ``predict_proba`` at every load), so no
-scikit-learn object is ever shared between a reader and the writer; training builds its own per step.
+A served version is an immutable :class:`LinearSnapshot`. Learning happens elsewhere
+(:func:`riskserve.learning.learner.train_step` trains a copy, and the learner publishes it as a new
+artifact the replicas swap to), so a batch in flight finishes on the version it started with. Scoring
+reads the snapshot's read-only arrays directly (:meth:`LinearSnapshot.score`, checked equal to
+scikit-learn's ``predict_proba`` at every load), so no scikit-learn object is ever shared.
 
 Artifacts hold parameters as JSON (``params.json``) and a golden check set (``golden.json``) beside a
 sha256 manifest: reading a model file can never execute code.
@@ -16,7 +17,6 @@ import asyncio
 import functools
 import json
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +39,7 @@ from riskserve.platform.artifacts import (
     write_manifest,
 )
 from riskserve.platform.base_model import BaseModel, Contributions, ModelOutput, ModelSettings
-from riskserve.platform.errors import InvalidInput, ModelLoadError, NotFound
+from riskserve.platform.errors import InvalidInput, ModelLoadError
 from riskserve.platform.validation import FeatureMatrix, check_feature_matrix
 
 __all__ = [
@@ -222,14 +222,10 @@ class SklearnSettings(ModelSettings):
     """Threads that score one large batch (joblib threading backend)."""
     parallel_min_rows: int = Field(default=65536, ge=1)
     """Batches with fewer rows are scored in one thread: below this, threads cost more than they save."""
-    update_scaler: bool = True
-    """Whether ``partial_fit`` also updates the scaler's running mean and variance."""
-    history: int = Field(default=8, ge=1, le=1000)
-    """Versions kept in memory (the serving one included), so a recent one can be reactivated."""
 
 
 class SklearnModel(BaseModel[FeatureMatrix, SklearnSettings]):
-    """Fraud score from an online logistic regression; ``partial_fit`` publishes a new immutable version."""
+    """Fraud score from an online logistic regression, one immutable version at a time."""
 
     kind = "sklearn"
 
@@ -237,9 +233,7 @@ class SklearnModel(BaseModel[FeatureMatrix, SklearnSettings]):
         super().__init__(settings)
         self._artifact: Artifact | None = None
         self._current: LinearSnapshot | None = None
-        self._history: OrderedDict[str, LinearSnapshot] = OrderedDict()
         self._feature_names: list[str] = []
-        self._write_lock = threading.Lock()
         self._pool: joblib.Parallel | None = None
         self._pool_lock = threading.Lock()
 
@@ -308,61 +302,23 @@ class SklearnModel(BaseModel[FeatureMatrix, SklearnSettings]):
             parts = pool(joblib.delayed(snapshot.score)(chunk) for chunk in chunks)
         return np.concatenate(parts)
 
-    def partial_fit(self, batch: FeatureMatrix, labels: Sequence[int] | NDArray[np.integer[Any]]) -> str:
-        """Train one SGD epoch on a copy of the serving version, publish it, and return the new version.
-
-        Raises:
-            InvalidInput: bad features (column named) or labels that are not 0/1 or not one per row.
-        """
-        check_feature_matrix(batch, self._feature_names)
-        y = np.asarray(labels)
-        if y.shape != (batch.shape[0],):
-            raise InvalidInput(f"expected {batch.shape[0]} labels, got shape {y.shape}", field="label")
-        if not np.isin(y, (0, 1)).all():
-            raise InvalidInput("labels must be 0 or 1", field="label")
-        with self._write_lock:
-            parent = self.snapshot
-            snapshot = train_step(
-                parent, batch, y.astype(np.int64), update_scaler=self.settings.update_scaler
-            )
-            self._publish(snapshot)
-        return snapshot.version
-
-    def activate(self, version: str) -> None:
-        """Serve a version kept in memory again (for rollback)."""
-        with self._write_lock:
-            snapshot = self._history.get(version)
-            if snapshot is None:
-                raise NotFound(f"model '{self.name}' keeps no version '{version}'")
-            self._publish(snapshot)
-
-    def versions(self) -> list[str]:
-        """Versions kept in memory, oldest first."""
-        return list(self._history)
-
     def _publish(self, snapshot: LinearSnapshot) -> None:
         if self._feature_names and snapshot.width != len(self._feature_names):
             raise ModelLoadError(
                 f"version has {snapshot.width} columns, the model reads {len(self._feature_names)}"
             )
-        self._history[snapshot.version] = snapshot
-        self._history.move_to_end(snapshot.version)
-        while len(self._history) > self.settings.history:
-            self._history.popitem(last=False)
-        self._current = snapshot  # one reference assignment: readers see the old or the new version
+        self._current = snapshot
 
     async def unload(self) -> None:
         if self._pool is not None:
             self._pool.__exit__(None, None, None)
             self._pool = None
         self._current = None
-        self._history.clear()
 
     def details(self) -> dict[str, Any]:
         return {
             "estimator": "SGDClassifier(loss='log_loss') + StandardScaler",
             "parent": self._current.params.parent if self._current else None,
-            "versions_kept": len(self._history),
             "n_jobs": self.settings.n_jobs,
         }
 
@@ -371,33 +327,6 @@ def snapshot_scores(snapshot: LinearSnapshot, x: NDArray[np.float32]) -> NDArray
     """Scores of ``x`` by ``snapshot`` through scikit-learn, as a replica computes them."""
     scores = snapshot.make_classifier().predict_proba(snapshot.make_scaler().transform(x))[:, 1]
     return np.ascontiguousarray(scores, dtype=np.float64)
-
-
-def train_step(
-    parent: LinearSnapshot, batch: NDArray[np.float32], labels: NDArray[np.int64], *, update_scaler: bool
-) -> LinearSnapshot:
-    """One mini-batch of online learning from ``parent``; pure: ``parent`` is left as it was."""
-    x = batch.astype(np.float64)  # SGD's float64 coefficients need float64 rows
-    scaler = parent.make_scaler()
-    if update_scaler:
-        scaler.partial_fit(x)
-    classifier = parent.make_classifier()
-    classifier.partial_fit(scaler.transform(x), labels)
-    params = parent.params.model_copy(
-        update={
-            "coef": [float(v) for v in classifier.coef_.ravel()],
-            "intercept": float(classifier.intercept_[0]),
-            "t": float(classifier.t_),
-            "scaler": ScalerParams(
-                mean=[float(v) for v in scaler.mean_],
-                var=[float(v) for v in scaler.var_],
-                scale=[float(v) for v in scaler.scale_],
-                n_samples_seen=int(scaler.n_samples_seen_),
-            ),
-            "parent": parent.version,
-        }
-    )
-    return LinearSnapshot.from_params(params)
 
 
 def load_sklearn_artifact(

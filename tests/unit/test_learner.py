@@ -13,12 +13,12 @@ import pytest
 from riskserve.demo.dataset import FEATURE_NAMES
 from riskserve.demo.tabular import TabularData, make_tabular_data, train_fraud_lr
 from riskserve.learning.feedback_log import SCHEMA_VERSION, DecisionRecord, FeedbackLog
-from riskserve.learning.learner import OnlineLearner, cap_step, is_holdout, load_version
+from riskserve.learning.learner import OnlineLearner, cap_step, is_holdout, load_version, train_step
 from riskserve.learning.rate_limit import SourceRateLimiter
 from riskserve.learning.recorder import DecisionRecorder
 from riskserve.platform.errors import Overloaded
 from riskserve.schema.pipeline import OnlineLearningSpec
-from riskserve.wrappers.sklearn_model import LinearSnapshot, train_step
+from riskserve.wrappers.sklearn_model import LinearSnapshot
 
 from ..manual_clock import ManualClock
 
