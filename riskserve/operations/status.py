@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from riskserve.operations.local import LocalState, connected, read_state
+from riskserve.platform.runner import ModelStatus
 from riskserve.schema.deployments import INGRESS
 from riskserve.schema.pipeline import load_pipeline
 
@@ -12,8 +13,9 @@ __all__ = ["collect_status", "print_status"]
 
 
 def collect_status(state: LocalState) -> dict[str, Any]:
-    """Serve's view of each pipeline (application and deployment states) plus each model's status,
-    asked of the ingress (which knows whether a model runs in it or in a deployment of its own)."""
+    """Serve's view of each pipeline (application and deployment states) plus each model's typed
+    :class:`ModelStatus`, asked of the ingress (which knows whether a model runs in it or in a
+    deployment of its own)."""
     with connected(state):
         from ray import serve
 
@@ -31,16 +33,10 @@ def collect_status(state: LocalState) -> dict[str, Any]:
                 }
                 for dep_name, dep in app.deployments.items()
             }
-            models: dict[str, Any] = {}
+            models: dict[str, ModelStatus] = {}
             ingress = serve.get_deployment_handle(INGRESS, app_name=name)
             for model in load_pipeline(state.pipeline_files[name]).models:
-                meta = ingress.model_status.remote(model).result(timeout_s=30)
-                models[model] = {
-                    "kind": meta.kind,
-                    "placement": meta.placement,
-                    "version": meta.version,
-                    "ready": meta.ready,
-                }
+                models[model] = ingress.model_status.remote(model).result(timeout_s=30)
             out[name] = {
                 "status": str(app.status.value),
                 "endpoint": state.endpoint(name),
@@ -66,6 +62,6 @@ def print_status() -> int:
             print(f"  {name:<16} {dep['status']:<10} replicas: {replicas}")
             healthy &= dep["status"] == "HEALTHY"
         for name, model in info["models"].items():
-            print(f"  model {name:<10} {model['kind']:<9} in {model['placement']:<10} {model['version']}")
-            healthy &= bool(model["ready"])
+            print(f"  model {name:<10} {model.kind:<9} in {model.placement:<10} {model.version}")
+            healthy &= model.ready
     return 0 if healthy else 1
