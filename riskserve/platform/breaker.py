@@ -207,7 +207,7 @@ class CircuitBreaker:
     """One model's breaker: ask :meth:`try_acquire` before each call and resolve the permit after it.
 
     ``clock`` returns seconds on a monotonic scale (tests pass a fake one); ``name`` is the model's name,
-    carried by :class:`CircuitOpen` and snapshots; ``on_transition(old, new)`` is told of every change.
+    carried by snapshots; ``on_transition(old, new)`` is told of every change.
     """
 
     def __init__(
