@@ -8,10 +8,13 @@ must decide again within seconds after."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from riskserve.wrappers import REGISTER_ENV
 
 from . import drills
 from .harness import Running, pipeline_file, riskserve_up
@@ -21,6 +24,19 @@ pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def small_capacity(tabular_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    # fault_injection is a test-only kind: the `riskserve up` processes register it from the environment
+    before = os.environ.get(REGISTER_ENV)
+    os.environ[REGISTER_ENV] = "tests.fault_injection:register"
+    try:
+        yield from _small_capacity(tabular_models, tmp_path_factory)
+    finally:
+        if before is None:
+            os.environ.pop(REGISTER_ENV, None)
+        else:
+            os.environ[REGISTER_ENV] = before
+
+
+def _small_capacity(tabular_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     root = tmp_path_factory.mktemp("overload")
     control = root / "fraud-faults.json"
     control.write_text(json.dumps({"delay_ms": 50}))

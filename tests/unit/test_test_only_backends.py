@@ -63,3 +63,21 @@ def test_registered_it_loads_serves_its_inner_kind_and_travels_to_the_replicas(t
 def test_a_built_in_kind_cannot_be_replaced() -> None:
     with pytest.raises(ConfigError, match="built in"):
         register_backend("sklearn", "tests.fault_injection", "FaultInjectingModel", "FaultInjectionSettings")
+
+
+def test_a_process_the_tests_start_registers_from_the_environment() -> None:
+    """``riskserve up`` runs in processes of its own: a test names its hook in REGISTER_ENV for them."""
+    import os
+    import subprocess
+    import sys
+
+    from riskserve.wrappers import REGISTER_ENV
+
+    root = Path(__file__).resolve().parents[2]
+    probe = "from riskserve.wrappers import known_kind; print(known_kind('fault_injection'))"
+    env = {**os.environ, "PYTHONPATH": str(root), REGISTER_ENV: "tests.fault_injection:register"}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, cwd=root, capture_output=True, text=True)
+    assert done.stdout.strip() == "fault_injection", done.stderr
+    env.pop(REGISTER_ENV)
+    refused = subprocess.run([sys.executable, "-c", probe], env=env, cwd=root, capture_output=True, text=True)
+    assert "unknown model kind 'fault_injection'" in refused.stderr
