@@ -30,6 +30,7 @@ from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
 from riskserve.learning.learner import BatchReport, OnlineLearner, load_version
 from riskserve.learning.rate_limit import SourceRateLimiter
 from riskserve.operations.publish import AppBuilder, publish_checked
+from riskserve.operations.served import Source
 from riskserve.platform.errors import ConfigError, Conflict, ModelUnavailable
 from riskserve.platform.metrics import LearningMetrics
 from riskserve.platform.runner import ModelStatus
@@ -141,7 +142,9 @@ class FeedbackService:
 
         return await asyncio.to_thread(adopt)
 
-    async def swap(self, model: str, artifact: str, version: str, expected: str) -> None:
+    async def swap(
+        self, model: str, artifact: str, version: str, expected: str, source: Source = "swap"
+    ) -> None:
         """Serve ``artifact`` (holding ``version``) for ``model``, verified by the caller against the
         serving version ``expected``: one publish under the learner's lock, confirmed on every replica.
 
@@ -153,9 +156,9 @@ class FeedbackService:
             ModelLoadError: a replica refused it, or it is not a learnable artifact; nothing changed.
             ModelUnavailable: the pipeline is shutting down.
         """
-        await asyncio.to_thread(self._swap, model, artifact, version, expected)
+        await asyncio.to_thread(self._swap, model, artifact, version, expected, source)
 
-    def _swap(self, model: str, artifact: str, version: str, expected: str) -> None:
+    def _swap(self, model: str, artifact: str, version: str, expected: str, source: Source) -> None:
         with self._cycle_lock:
             self._check_open(version)
             served = self._served(model)
@@ -167,7 +170,16 @@ class FeedbackService:
             learner = self._learners.get(model)
             if learner is not None:
                 load_version(artifact)  # learnable (a golden set) before anything is published
-            publish_checked(self._spec, model, artifact, version, served.artifact, build=self._build)
+            publish_checked(
+                self._spec,
+                model,
+                artifact,
+                version,
+                served.artifact,
+                build=self._build,
+                source=source,
+                previous_version=str(served.version),
+            )
             if learner is not None:
                 learner.adopt(artifact)
                 self._drift_of[model] = 0.0
@@ -314,9 +326,18 @@ class FeedbackService:
         each; a replica that refuses puts the previous artifact back (the cursor still names ``version``,
         so reconciliation tries again)."""
         self._check_open(version)
-        previous = self._served(name).artifact
+        previous = self._served(name)
         started = time.monotonic()
-        publish_checked(self._spec, name, artifact, version, previous, build=self._build)
+        publish_checked(
+            self._spec,
+            name,
+            artifact,
+            version,
+            previous.artifact,
+            build=self._build,
+            source="learned",
+            previous_version=str(previous.version),
+        )
         self._publish_seconds[name] = time.monotonic() - started
         self._publishes[name] = self._publishes.get(name, 0) + 1
         self._published[name] = version

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
+from riskserve.operations.served import Source, record_served
+from riskserve.platform.errors import RiskServeError
 from riskserve.platform.runner import ModelStatus
 from riskserve.schema.pipeline import PipelineSpec
 
@@ -135,15 +137,26 @@ def every_replica(
 
 
 def publish_checked(
-    spec: PipelineSpec, model: str, artifact: str, version: str, previous: str, *, build: AppBuilder
+    spec: PipelineSpec,
+    model: str,
+    artifact: str,
+    version: str,
+    previous: str,
+    *,
+    build: AppBuilder,
+    source: Source,
+    previous_version: str | None = None,
 ) -> None:
-    """Publish ``artifact`` (holding ``version``) for ``model`` and confirm on every replica; if one does
-    not serve it, publish ``previous`` back before raising, so a failed publish never takes effect.
+    """Publish ``artifact`` (holding ``version``) for ``model``, confirm it on every replica, then record
+    it in the pipeline's served record (:mod:`riskserve.operations.served`, ``source`` says why it serves).
+    If a replica does not serve it, or the record cannot be written, ``previous`` is published back before
+    raising, so a failed publish never takes effect and the record always names what serves.
 
     The caller holds the pipeline's publish lock (see the module docstring).
 
     Raises:
-        ModelLoadError: a replica refused the new version (or never answered); ``previous`` serves again.
+        ModelLoadError: a replica refused the new version (or never answered), or the record could not be
+            written; ``previous`` serves again.
     """
     from riskserve.platform.errors import ModelLoadError, ModelUnavailable
 
@@ -158,3 +171,16 @@ def publish_checked(
         raise ModelLoadError(
             f"{len(stale)} replica(s) refused {version} ({stale[0].last_swap_error}); rolled back"
         )
+    try:
+        record_served(
+            spec,
+            model,
+            artifact,
+            version,
+            source=source,
+            previous=previous,
+            previous_version=previous_version,
+        )
+    except (OSError, RiskServeError) as error:
+        publish_artifacts(spec, {model: previous}, build=build)
+        raise ModelLoadError(f"{version} served but not recorded ({error}); rolled back") from error
