@@ -2,13 +2,15 @@
 
 A decision is either sent to the feedback log or counted as dropped (``dropped`` and ``on_drop``); once
 the buffer (sends in progress included) is full, NEW decisions are refused and counted, and a decision
-once accepted is never dropped: not by an overflow during a send, not after a send fails. The send is a real coroutine that the test holds open, standing in for the feedback
-service's ``record_decisions`` (fault injected: a service that is slow, then unreachable).
+once accepted is never dropped: not by an overflow during a send, not after a send fails. The send is a
+real coroutine the test holds open, standing in for the feedback service's ``record_decisions`` (fault
+injected: a service that is slow, then unreachable).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 
@@ -66,10 +68,8 @@ def test_a_failed_send_keeps_its_records_in_front_for_the_next_flush() -> None:
 
         recorder = DecisionRecorder(send, flush_s=3600, max_rows=4)
         recorder.add(_records(0, 3))
-        try:
+        with contextlib.suppress(ConnectionError):
             await recorder.flush()
-        except ConnectionError:
-            pass
         assert recorder.buffered == 3
         recorder.add(_records(3, 2))  # room for one: d-4 is refused, none of the accepted ones goes
         await recorder.flush()
