@@ -23,7 +23,7 @@ from ray.serve import Application
 
 from riskserve.features.stage import FeatureStage
 from riskserve.operations.learning_service import FeedbackService
-from riskserve.operations.served import served_artifacts
+from riskserve.operations.served import records_dir, served_artifacts
 from riskserve.schema.endpoints import with_endpoint
 from riskserve.schema.pipeline import PipelineSpec, StageSpec, load_pipeline
 from riskserve.schema.pools import actor_options, check_pools, ingress_cpus
@@ -166,9 +166,8 @@ def build_application(
     feedback = None
     if spec.feedback is not None:
         feedback_stage = _stage(FeedbackService, names["feedback"], spec, spec.feedback.stage, data)
-        feedback = feedback_stage.bind(
-            data, build_application
-        )  # the service publishes by rebuilding this app
+        # The service publishes by rebuilding this app, and keeps the served record where the deployer does.
+        feedback = feedback_stage.bind(data, build_application, str(records_dir()))
     in_ingress = {
         name: str(artifacts.get(name) or data["models"][name]["artifact"])
         for name, model in spec.models.items()

@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from riskserve.learning.admission import LabelAdmission
@@ -52,10 +53,12 @@ ERROR_BACKOFF_S = 2.0
 class FeedbackService:
     """Serve deployment: ``record_decisions``, ``record_feedback``, ``status``; learns in a thread."""
 
-    def __init__(self, spec: dict[str, Any], build: AppBuilder) -> None:
-        """``build``: the builder of the application this service is part of, to publish new versions."""
+    def __init__(self, spec: dict[str, Any], build: AppBuilder, records: str | None = None) -> None:
+        """``build``: the builder of the application this service is part of, to publish new versions;
+        ``records``: the directory of the install's served records (the deployer's, not this worker's)."""
         self._spec = PipelineSpec.model_validate(spec)
         self._build = build
+        self._records = Path(records) if records else None
         feedback = self._spec.feedback
         if feedback is None:
             raise ConfigError(f"pipeline '{self._spec.name}' has no feedback section")
@@ -179,6 +182,7 @@ class FeedbackService:
                 build=self._build,
                 source=source,
                 previous_version=str(served.version),
+                records=self._records,
             )
             if learner is not None:
                 learner.adopt(artifact)
@@ -337,6 +341,7 @@ class FeedbackService:
             build=self._build,
             source="learned",
             previous_version=str(previous.version),
+            records=self._records,
         )
         self._publish_seconds[name] = time.monotonic() - started
         self._publishes[name] = self._publishes.get(name, 0) + 1

@@ -12,6 +12,7 @@ without one, only ``riskserve swap`` publishes, under a per-pipeline file lock.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 from riskserve.operations.served import Source, record_served
@@ -146,9 +147,11 @@ def publish_checked(
     build: AppBuilder,
     source: Source,
     previous_version: str | None = None,
+    records: Path | None = None,
 ) -> None:
     """Publish ``artifact`` (holding ``version``) for ``model``, confirm it on every replica, then record
-    it in the pipeline's served record (:mod:`riskserve.operations.served`, ``source`` says why it serves).
+    it in the pipeline's served record (:mod:`riskserve.operations.served`, ``source`` says why it serves;
+    ``records``: the records directory, default this process's).
     If a replica does not serve it, or the record cannot be written, ``previous`` is published back before
     raising, so a failed publish never takes effect and the record always names what serves.
 
@@ -180,6 +183,7 @@ def publish_checked(
             source=source,
             previous=previous,
             previous_version=previous_version,
+            directory=records,
         )
     except (OSError, RiskServeError) as error:
         publish_artifacts(spec, {model: previous}, build=build)

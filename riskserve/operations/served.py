@@ -42,6 +42,7 @@ __all__ = [
     "after_rollback",
     "read_record",
     "record_path",
+    "records_dir",
     "record_rollback",
     "record_served",
     "reset",
@@ -92,18 +93,24 @@ class ServedRecord(_Schema):
     models: dict[str, ServedModel] = {}
 
 
-def record_path(pipeline: str) -> Path:
-    """The record file of ``pipeline``."""
-    return state_dir() / "models" / f"{pipeline}.json"
+def records_dir() -> Path:
+    """This install's directory of served records (``<state>/models``). A process that writes records for
+    another (the feedback service, in a Ray worker) is handed the directory, not left to guess it."""
+    return state_dir() / "models"
 
 
-def read_record(pipeline: str) -> ServedRecord:
+def record_path(pipeline: str, directory: Path | None = None) -> Path:
+    """The record file of ``pipeline`` (in ``directory``, default :func:`records_dir`)."""
+    return (directory or records_dir()) / f"{pipeline}.json"
+
+
+def read_record(pipeline: str, directory: Path | None = None) -> ServedRecord:
     """The record of ``pipeline`` (empty if none was written).
 
     Raises:
         ConfigError: the file exists but is not a record riskserve wrote (named, with the fix).
     """
-    path = record_path(pipeline)
+    path = record_path(pipeline, directory)
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -167,11 +174,11 @@ def served_artifacts(spec: PipelineSpec) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _locked(pipeline: str) -> Iterator[None]:
+def _locked(pipeline: str, directory: Path | None = None) -> Iterator[None]:
     """The record's read-modify-write, one at a time across processes (waits; a write is quick)."""
-    directory = record_path(pipeline).parent
-    directory.mkdir(parents=True, exist_ok=True)
-    with (directory / f".{pipeline}.lock").open("w") as handle:
+    folder = record_path(pipeline, directory).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / f".{pipeline}.lock").open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -179,8 +186,8 @@ def _locked(pipeline: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _write(record: ServedRecord) -> None:
-    path = record_path(record.pipeline)
+def _write(record: ServedRecord, directory: Path | None) -> None:
+    path = record_path(record.pipeline, directory)
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as handle:
         handle.write(record.model_dump_json(indent=2))
@@ -203,15 +210,16 @@ def record_served(
     source: Source,
     previous: str | None = None,
     previous_version: str | None = None,
+    directory: Path | None = None,
 ) -> ServedRecord:
     """Append that ``model`` now serves ``artifact`` (``version``), confirmed on every replica.
 
     ``previous`` (and its version) is what served before: recorded first when the model has no entry
-    yet, so a rollback can return to it.
+    yet, so a rollback can return to it. ``directory``: where the records are (default :func:`records_dir`).
     """
     base = _base(spec, model)
-    with _locked(spec.name):
-        record = read_record(spec.name)
+    with _locked(spec.name, directory):
+        record = read_record(spec.name, directory)
         served = record.models.get(model)
         if served is None or served.base != base:
             served = ServedModel(base=base, entries=[])
@@ -226,7 +234,7 @@ def record_served(
         entry = ServedEntry(artifact=str(Path(artifact).resolve()), version=version, source=source, at=now)
         served.entries = [*served.entries, entry][-HISTORY:]
         record.models[model] = served
-        _write(record)
+        _write(record, directory)
         return record
 
 
@@ -252,7 +260,7 @@ def after_rollback(spec: PipelineSpec, model: str) -> None:
             return
         *older, _target, _left, newest = served.entries  # [..., A, B, A again]: A serves, B is gone
         served.entries = [*older, newest]
-        _write(record)
+        _write(record, None)
 
 
 def reset(pipeline: str) -> bool:
