@@ -42,9 +42,9 @@ __all__ = [
     "after_rollback",
     "read_record",
     "record_path",
-    "records_dir",
     "record_rollback",
     "record_served",
+    "records_dir",
     "reset",
     "served_artifacts",
 ]
