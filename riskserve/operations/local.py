@@ -34,7 +34,7 @@ from riskserve.operations.ray_auth import (
     token_mode_env,
     use_token_mode,
 )
-from riskserve.operations.served import reset
+from riskserve.operations.served import reset, served_artifacts
 from riskserve.operations.state import state_dir
 from riskserve.platform.errors import ConfigError, ModelUnavailable, NotFound
 from riskserve.schema.endpoints import assign_endpoints, endpoint_of
@@ -267,7 +267,8 @@ def up_local(
     record first, so the YAML's artifacts serve (``riskserve up --reset``).
 
     Raises:
-        ConfigError: a pipeline file is invalid (checked before anything starts).
+        ConfigError: a pipeline file is invalid, or a recorded artifact is missing or changed (checked
+            before anything starts).
         ModelUnavailable: the background process died or did not become ready in time (its log is named).
     """
     from riskserve.serving.frontdoor import check_front_door
@@ -279,9 +280,10 @@ def up_local(
     check_pools(specs)  # pipelines sharing a pool name share its capacity
     if read_state() is not None:
         raise ConfigError("a local riskserve is already running: `riskserve down` first")
-    if reset_served:
-        for spec in specs:
+    for spec in specs:
+        if reset_served:
             reset(spec.name)
+        served_artifacts(spec)  # a recorded artifact that cannot serve fails here, naming --reset
     directory = state_dir()
     token = install_token(directory)  # makes the directory 0700 too
     log_path = directory / "riskserve.log"
