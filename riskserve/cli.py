@@ -49,14 +49,14 @@ def _up(args: argparse.Namespace) -> int:
     if args.address:
         endpoints = deploy_to_cluster(
             args.pipelines, address=args.address, grpc_port=args.grpc_port, host=args.host,
-            ray_token_file=args.ray_token_file,
+            ray_token_file=args.ray_token_file, reset_served=args.reset,
         )  # fmt: skip
         for name, endpoint in endpoints.items():
             print(f"deployed {name} to {args.address}; gRPC {endpoint} on each node with its ingress")
         return 0
     if args.ray_token_file is not None:
         raise ConfigError("--ray-token-file is for --address: a local riskserve makes its own Ray token")
-    state = up_local(args.pipelines, grpc_port=args.grpc_port, host=args.host)
+    state = up_local(args.pipelines, grpc_port=args.grpc_port, host=args.host, reset_served=args.reset)
     for name, endpoint in state.endpoints.items():
         print(f"riskserve is up: {name} on {endpoint} (gRPC, metadata application={name})")
     print(
@@ -300,6 +300,10 @@ def _parser() -> argparse.ArgumentParser:
         help="address the gRPC endpoints bind (default: the YAMLs', 127.0.0.1; 0.0.0.0: every interface)",
     )  # fmt: skip
     up.add_argument("--address", help="Ray cluster address (ray://... or HOST:PORT) instead of a local Ray")
+    up.add_argument(
+        "--reset", action="store_true",
+        help="serve the YAMLs' artifacts, forgetting the swapped, rolled back or learned versions recorded",
+    )  # fmt: skip
     up.add_argument(
         "--ray-token-file", type=Path, default=None,
         help="with --address: the cluster's Ray token (default: RAY_AUTH_TOKEN[_PATH] or ~/.ray/auth_token)",

@@ -10,7 +10,8 @@ file so a drill can change the fault while the pipeline runs, without a restart:
     {"delay_ms": 300, "fail": false}
 
 ``delay_ms`` sleeps before predicting (the model looks slow; past the pipeline's ``timeout_ms`` it times
-out), ``fail: true`` raises instead of predicting. A missing file means no fault.
+out), ``fail: true`` raises instead of predicting, ``invalid: "FIELD"`` refuses the rows as the model's own
+client error (``InvalidInput`` naming FIELD, INVALID_ARGUMENT). A missing file means no fault.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict, Field
 
 from riskserve.platform.base_model import BaseModel, ModelOutput, ModelSettings
-from riskserve.platform.errors import ModelUnavailable
+from riskserve.platform.errors import InvalidInput, ModelUnavailable
 from riskserve.wrappers import backend, register_backend, unregister_backend
 
 __all__ = ["KIND", "FaultInjectingModel", "FaultInjectionSettings", "Faults", "register"]
@@ -41,6 +42,8 @@ class Faults(_Schema):
 
     delay_ms: float = Field(default=0, ge=0, le=600_000)
     fail: bool = False
+    invalid: str = ""
+    """A field name: the model refuses every batch as invalid input naming it."""
 
 
 class FaultInjectionSettings(ModelSettings):
@@ -97,6 +100,10 @@ class FaultInjectingModel(BaseModel[Any, FaultInjectionSettings]):
             await asyncio.sleep(faults.delay_ms / 1e3)
         if faults.fail:
             raise ModelUnavailable(f"model '{self.name}': injected failure")
+        if faults.invalid:
+            raise InvalidInput(
+                f"{faults.invalid}: injected, refused by model '{self.name}'", field=faults.invalid
+            )
         return await self.inner.predict(batch)
 
     async def unload(self) -> None:

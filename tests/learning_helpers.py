@@ -12,7 +12,7 @@ import numpy as np
 from riskserve.client import RiskClient
 from riskserve.demo.dataset import generate_transactions
 from riskserve.features.encoder import FeatureEncoder, RawRequest
-from riskserve.learning.learner import is_holdout, train_step
+from riskserve.learning.learner import is_holdout
 from riskserve.platform.errors import RiskServeError
 from riskserve.platform.runner import ModelStatus
 from riskserve.platform.secret import install_secret, secret_path
@@ -33,6 +33,57 @@ ONLINE: dict[str, Any] = {
     "max_drift_logloss": 100.0,
 }
 """The fraud model's ``online`` section in these tests."""
+
+
+def reference_step(
+    parent: LinearSnapshot, x: np.ndarray, y: np.ndarray, *, update_scaler: bool
+) -> LinearSnapshot:
+    """One mini-batch of online learning computed here, not by riskserve's ``train_step``: a plain
+    scikit-learn ``StandardScaler`` and ``SGDClassifier`` set from the parent's stored numbers, then
+    ``partial_fit``. Only the content version (the artifact's identity) comes from riskserve, so a bug in
+    the production step (wrong rows, scaler not updated, state not carried) makes the versions differ."""
+    from sklearn.linear_model import SGDClassifier
+    from sklearn.preprocessing import StandardScaler
+
+    stored = parent.params.model_dump()
+    rows = np.asarray(x, dtype=np.float64)
+    scaler = StandardScaler()
+    scaler.mean_ = np.array(stored["scaler"]["mean"], dtype=np.float64)
+    scaler.var_ = np.array(stored["scaler"]["var"], dtype=np.float64)
+    scaler.scale_ = np.array(stored["scaler"]["scale"], dtype=np.float64)
+    scaler.n_samples_seen_ = np.int64(stored["scaler"]["n_samples_seen"])
+    scaler.n_features_in_ = rows.shape[1]
+    if update_scaler:
+        scaler.partial_fit(rows)
+    hyper = stored["hyperparameters"]
+    classifier = SGDClassifier(
+        loss="log_loss",
+        penalty="l2",
+        alpha=hyper["alpha"],
+        learning_rate=hyper["learning_rate"],
+        eta0=hyper["eta0"],
+        random_state=hyper["random_state"],
+        shuffle=False,
+    )
+    classifier.classes_ = np.array([0, 1])
+    classifier.coef_ = np.array([stored["coef"]], dtype=np.float64)
+    classifier.intercept_ = np.array([stored["intercept"]], dtype=np.float64)
+    classifier.t_ = stored["t"]
+    classifier.n_features_in_ = rows.shape[1]
+    classifier.partial_fit(scaler.transform(rows), np.asarray(y, dtype=np.int64))
+    stored.update(
+        coef=classifier.coef_.ravel().tolist(),
+        intercept=float(classifier.intercept_[0]),
+        t=float(classifier.t_),
+        scaler={
+            "mean": scaler.mean_.tolist(),
+            "var": scaler.var_.tolist(),
+            "scale": scaler.scale_.tolist(),
+            "n_samples_seen": int(scaler.n_samples_seen_),
+        },
+        parent=parent.version,
+    )
+    return LinearSnapshot.from_params(type(parent.params).model_validate(stored))
 
 
 def replica_statuses(app: str, model: str, replicas: int, *, timeout_s: float = 60) -> dict[str, ModelStatus]:
@@ -125,7 +176,7 @@ class Labels:
         for start in range(0, len(self.acked), BATCH):
             part = slice(start, start + BATCH)
             keep = train[part]
-            snapshot = train_step(snapshot, matrix[part][keep], labels[part][keep], update_scaler=True)
+            snapshot = reference_step(snapshot, matrix[part][keep], labels[part][keep], update_scaler=True)
         return snapshot.version
 
 

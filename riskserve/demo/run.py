@@ -208,7 +208,7 @@ def run_demo(*, models: Path, pipeline: Path, grpc_port: int) -> int:
         flush=True,
     )
     t0 = time.perf_counter()
-    state = up_local([path], grpc_port=grpc_port)
+    state = up_local([path], grpc_port=grpc_port, reset_served=True)  # every run starts from the built models
     print(f"    up in {time.perf_counter() - t0:.1f} s")
     try:
         with RiskClient(state.target, pipeline=state.pipelines[0], timeout_s=30) as client:

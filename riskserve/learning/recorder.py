@@ -1,11 +1,15 @@
 """The ingress side of the feedback log: decisions are buffered and written in one commit per flush.
 
 A Decide must not wait for an fsync, so each ingress replica keeps the decisions it made in a bounded
-buffer and sends them to the feedback service every ``flush_ms`` (one SQLite commit per send). A send that
-fails (the service is restarting) is retried with the records kept; past ``buffer_rows`` the oldest are
-dropped and counted. ``Feedback`` flushes first, so a label sent right after its decision finds it. With a
-:class:`~riskserve.learning.journal.DecisionJournal`, what is buffered is also journaled to local disk, so
-a replica killed with decisions unsent loses none: another replica adopts and sends them.
+buffer and sends them to the feedback service every ``flush_ms`` (one SQLite commit per send). A send
+takes its records out of the buffer while it runs, so decisions added meanwhile are never mistaken for
+sent ones; a send that fails (the service is restarting) puts its records back in front, to be retried.
+The records kept (in flight and buffered) are bounded by ``buffer_rows``: once it is full, new decisions
+are refused (counted in ``dropped`` and through ``on_drop``, which the ingress wires to the metric
+``riskserve_decisions_unrecorded``); a record once accepted is never dropped, not even by an overflow
+during a send or after a send fails. ``Feedback`` flushes first, so a label sent right after its decision
+finds it. With a :class:`~riskserve.learning.journal.DecisionJournal`, what is buffered is also journaled
+to local disk, so a replica killed with decisions unsent loses none: another replica adopts and sends them.
 """
 
 from __future__ import annotations
@@ -46,41 +50,53 @@ class DecisionRecorder:
         self._max_rows = max_rows
         self._on_drop = on_drop
         self._buffer: collections.deque[DecisionRecord] = collections.deque()
+        self._in_flight = 0
         self._lock: asyncio.Lock | None = None
         self._task: asyncio.Task[None] | None = None
         self.sent = 0
         self.dropped = 0
 
     def add(self, records: list[DecisionRecord]) -> None:
-        """Buffer decisions (called on the event loop); the flusher starts with the first one."""
+        """Buffer decisions (called on the event loop); those past ``max_rows`` kept are refused and
+        counted. The flusher starts with the first one."""
+        room = max(self._max_rows - self.buffered, 0)
+        accepted = records[:room]
         if self._journal is not None:
-            self._journal.append(records)
-        self._buffer.extend(records)
-        overflow = len(self._buffer) - self._max_rows
-        if overflow > 0:
-            for _ in range(overflow):
-                self._buffer.popleft()
-            self.dropped += overflow
-            self._on_drop(overflow)
+            self._journal.append(accepted)
+        self._buffer.extend(accepted)
+        self.drop(len(records) - room)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
+    def drop(self, count: int) -> None:
+        """Count ``count`` decisions that will never reach the log."""
+        if count > 0:
+            self.dropped += count
+            self._on_drop(count)
+
     @property
     def buffered(self) -> int:
-        """Decisions not sent yet."""
-        return len(self._buffer)
+        """Decisions not sent yet (a send in progress included)."""
+        return self._in_flight + len(self._buffer)
 
     async def flush(self) -> None:
-        """Send every decision buffered now; raises if the feedback service cannot take them."""
+        """Send every decision buffered now; raises if the feedback service cannot take them (they are
+        kept, in front of any added meanwhile, for the next flush)."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             while self._buffer:
                 covered = self._journal.rotate() if self._journal is not None else []
                 batch = list(self._buffer)
-                await self._send(batch)
-                for _ in batch:  # only what was sent: records added meanwhile stay
-                    self._buffer.popleft()
+                self._buffer.clear()  # out of reach of add()'s trimming while they are sent
+                self._in_flight = len(batch)
+                try:
+                    await self._send(batch)
+                except BaseException:
+                    self._buffer.extendleft(reversed(batch))  # oldest first again
+                    raise
+                finally:
+                    self._in_flight = 0
                 self.sent += len(batch)
                 if self._journal is not None:
                     self._journal.forget(covered)

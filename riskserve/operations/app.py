@@ -23,6 +23,7 @@ from ray.serve import Application
 
 from riskserve.features.stage import FeatureStage
 from riskserve.operations.learning_service import FeedbackService
+from riskserve.operations.served import records_dir, served_artifacts
 from riskserve.schema.deployments import FEATURES, FEEDBACK, INGRESS, deployment_names
 from riskserve.schema.endpoints import with_endpoint
 from riskserve.schema.pipeline import PipelineSpec, StageSpec, load_pipeline
@@ -44,6 +45,9 @@ class AppArgs(_Schema):
     """The pipeline YAML file."""
     grpc_port: int | None = None
     """The gRPC port of the pipeline's front door (default: the YAML's ``serving.grpc.port``)."""
+    artifacts: dict[str, str] = {}
+    """Model -> artifact directory to serve instead of the YAML's (``riskserve export serve-config``
+    writes the served record's here, so a declarative deployment serves the swapped or learned versions)."""
 
 
 @functools.cache
@@ -103,12 +107,15 @@ def build_application(
 ) -> Application:
     """The Serve application of a validated pipeline.
 
-    ``draining=True`` deploys the same application with the ingress draining (health NOT_SERVING);
-    ``artifacts`` overrides model artifacts (hot swap); ``shadows`` are candidates the ingress scores beside
+    Each model serves what the pipeline's served record says (:mod:`riskserve.operations.served`: the
+    last swap, rollback or learned version), else its YAML artifact. ``draining=True`` deploys the same
+    application with the ingress draining (health NOT_SERVING); ``artifacts`` overrides model artifacts
+    (a publish, or a Serve config's ``args.artifacts``); ``shadows`` are candidates the ingress scores beside
     its models (``riskserve shadow``). They travel as Serve ``user_config``, which Serve
     applies to every running replica in place (``reconfigure``) without restarting anything.
     """
     check_pools(spec)  # also refused by `riskserve up`, across all the pipelines it starts together
+    artifacts = {**served_artifacts(spec), **(artifacts or {})}
     data = spec.resolved()
     names = deployment_names(spec)
     # test-only backend kinds registered in this process travel to the replicas that serve them
@@ -139,7 +146,7 @@ def build_application(
             health_check_period_s=model.health_check_period_s,
             health_check_timeout_s=model.health_check_timeout,
         )
-        artifact = (artifacts or {}).get(name) or data["models"][name]["artifact"]
+        artifact = artifacts.get(name) or data["models"][name]["artifact"]
         columns = None if model.reads_text else matrix_columns
         declared = None if model.reads_text else spec.model_columns(name)
         args = (name, model.kind, spec.runner_settings(name), columns, declared, data["tracing"], batching)
@@ -150,11 +157,10 @@ def build_application(
     feedback = None
     if spec.feedback is not None:
         feedback_stage = _stage(FeedbackService, names[FEEDBACK], spec, spec.feedback.stage, data)
-        feedback = feedback_stage.bind(
-            data, build_application, **extra
-        )  # the service publishes by rebuilding this app
+        # The service publishes by rebuilding this app, and keeps the served record where the deployer does.
+        feedback = feedback_stage.bind(data, build_application, records=str(records_dir()), **extra)
     in_ingress = {
-        name: str((artifacts or {}).get(name) or data["models"][name]["artifact"])
+        name: str(artifacts.get(name) or data["models"][name]["artifact"])
         for name, model in spec.models.items()
         if model.in_ingress
     }
@@ -170,4 +176,5 @@ def build_application(
 def build_app(args: dict[str, Any]) -> Application:
     """Serve config entry point (``riskserve.operations.app:build_app`` with ``args: {pipeline: PATH}``)."""
     parsed = AppArgs.model_validate(args)
-    return build_application(with_endpoint(load_pipeline(parsed.pipeline), port=parsed.grpc_port))
+    spec = with_endpoint(load_pipeline(parsed.pipeline), port=parsed.grpc_port)
+    return build_application(spec, artifacts=parsed.artifacts or None)

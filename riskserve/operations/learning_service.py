@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from riskserve.learning.admission import LabelAdmission
@@ -30,6 +31,7 @@ from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
 from riskserve.learning.learner import BatchReport, OnlineLearner, load_version
 from riskserve.learning.rate_limit import SourceRateLimiter
 from riskserve.operations.publish import AppBuilder, publish_checked
+from riskserve.operations.served import Source
 from riskserve.platform.errors import ConfigError, Conflict, ModelUnavailable
 from riskserve.platform.metrics import LearningMetrics
 from riskserve.platform.runner import ModelStatus
@@ -54,14 +56,20 @@ class FeedbackService:
     """Serve deployment: ``record_decisions``, ``record_feedback``, ``status``; learns in a thread."""
 
     def __init__(
-        self, spec: dict[str, Any], build: AppBuilder, registered: dict[str, BackendEntry] | None = None
+        self,
+        spec: dict[str, Any],
+        build: AppBuilder,
+        registered: dict[str, BackendEntry] | None = None,
+        records: str | None = None,
     ) -> None:
         """``build``: the builder of the application this service is part of, to publish new versions;
-        ``registered``: test-only backend kinds the builder's process registered (see ``wrappers``)."""
+        ``registered``: test-only backend kinds the builder's process registered (see ``wrappers``);
+        ``records``: the directory of the install's served records (the deployer's, not this worker's)."""
         for kind, entry in (registered or {}).items():
             register_backend(kind, *entry)
         self._spec = PipelineSpec.model_validate(spec)
         self._build = build
+        self._records = Path(records) if records else None
         feedback = self._spec.feedback
         if feedback is None:
             raise ConfigError(f"pipeline '{self._spec.name}' has no feedback section")
@@ -148,7 +156,9 @@ class FeedbackService:
 
         return await asyncio.to_thread(adopt)
 
-    async def swap(self, model: str, artifact: str, version: str, expected: str) -> None:
+    async def swap(
+        self, model: str, artifact: str, version: str, expected: str, source: Source = "swap"
+    ) -> None:
         """Serve ``artifact`` (holding ``version``) for ``model``, verified by the caller against the
         serving version ``expected``: one publish under the learner's lock, confirmed on every replica.
 
@@ -160,9 +170,9 @@ class FeedbackService:
             ModelLoadError: a replica refused it, or it is not a learnable artifact; nothing changed.
             ModelUnavailable: the pipeline is shutting down.
         """
-        await asyncio.to_thread(self._swap, model, artifact, version, expected)
+        await asyncio.to_thread(self._swap, model, artifact, version, expected, source)
 
-    def _swap(self, model: str, artifact: str, version: str, expected: str) -> None:
+    def _swap(self, model: str, artifact: str, version: str, expected: str, source: Source) -> None:
         with self._cycle_lock:
             self._check_open(version)
             served = self._served(model)
@@ -174,7 +184,17 @@ class FeedbackService:
             learner = self._learners.get(model)
             if learner is not None:
                 load_version(artifact)  # learnable (a golden set) before anything is published
-            publish_checked(self._spec, model, artifact, version, served.artifact, build=self._build)
+            publish_checked(
+                self._spec,
+                model,
+                artifact,
+                version,
+                served.artifact,
+                build=self._build,
+                source=source,
+                previous_version=str(served.version),
+                records=self._records,
+            )
             if learner is not None:
                 learner.adopt(artifact)
                 self._drift_of[model] = 0.0
@@ -321,9 +341,19 @@ class FeedbackService:
         each; a replica that refuses puts the previous artifact back (the cursor still names ``version``,
         so reconciliation tries again)."""
         self._check_open(version)
-        previous = self._served(name).artifact
+        previous = self._served(name)
         started = time.monotonic()
-        publish_checked(self._spec, name, artifact, version, previous, build=self._build)
+        publish_checked(
+            self._spec,
+            name,
+            artifact,
+            version,
+            previous.artifact,
+            build=self._build,
+            source="learned",
+            previous_version=str(previous.version),
+            records=self._records,
+        )
         self._publish_seconds[name] = time.monotonic() - started
         self._publishes[name] = self._publishes.get(name, 0) + 1
         self._published[name] = version

@@ -34,7 +34,8 @@ from riskserve.operations.ray_auth import (
     token_mode_env,
     use_token_mode,
 )
-from riskserve.platform.artifacts import default_cache_dir
+from riskserve.operations.served import reset, served_artifacts
+from riskserve.operations.state import state_dir
 from riskserve.platform.errors import ConfigError, ModelUnavailable, NotFound
 from riskserve.schema.deployments import FEEDBACK
 from riskserve.schema.endpoints import assign_endpoints, endpoint_of
@@ -49,6 +50,7 @@ __all__ = [
     "down",
     "pool_resources",
     "read_state",
+    "state_dir",
     "up_local",
 ]
 
@@ -106,11 +108,6 @@ class LocalState(_Schema):
 
         port = int(self.endpoint(pipeline).rsplit(":", 1)[1])
         return with_endpoint(load_pipeline(self.pipeline_files[pipeline]), port=port)
-
-
-def state_dir() -> Path:
-    """Where the local deployment's state file and log live."""
-    return Path(os.environ.get("RISKSERVE_STATE_DIR") or default_cache_dir() / "local")
 
 
 def read_state() -> LocalState | None:
@@ -219,12 +216,14 @@ def deploy_to_cluster(
     grpc_port: int | None,
     host: str | None = None,
     ray_token_file: Path | None = None,
+    reset_served: bool = False,
 ) -> dict[str, str]:
     """Deploy pipelines to an existing Ray cluster (``up --address``); Serve keeps them after we exit.
 
     The cluster must run Ray token authentication: this process joins in token mode (the token from
     ``ray_token_file``, else ``RAY_AUTH_TOKEN``/``RAY_AUTH_TOKEN_PATH``/``~/.ray/auth_token``), and a
-    ``HOST:PORT`` address is first called without a token, which the cluster must refuse.
+    ``HOST:PORT`` address is first called without a token, which the cluster must refuse. Each model
+    serves what this install's served record says (``reset_served``: forget it, serve the YAML's).
 
     Returns each pipeline's gRPC endpoint (on every node that runs one of its ingress replicas).
 
@@ -241,6 +240,9 @@ def deploy_to_cluster(
         )
     import ray
 
+    if reset_served:
+        for spec in specs:
+            reset(spec.name)
     ray.init(address=address, log_to_driver=False)
     try:
         _check_pools_exist(specs)
@@ -257,11 +259,17 @@ def up_local(
     grpc_port: int | None,
     host: str | None = None,
     timeout_s: float = READY_TIMEOUT_S,
+    reset_served: bool = False,
 ) -> LocalState:
     """Start a local Ray with the pipelines in a background process and wait until they serve.
 
+    Each model serves what the pipeline's served record says (its last swap, rollback or learned
+    version; :mod:`riskserve.operations.served`), else its YAML artifact; ``reset_served`` forgets the
+    record first, so the YAML's artifacts serve (``riskserve up --reset``).
+
     Raises:
-        ConfigError: a pipeline file is invalid (checked before anything starts).
+        ConfigError: a pipeline file is invalid, or a recorded artifact is missing or changed (checked
+            before anything starts).
         ModelUnavailable: the background process died or did not become ready in time (its log is named).
     """
     from riskserve.serving.frontdoor import check_front_door
@@ -273,6 +281,10 @@ def up_local(
     check_pools(specs)  # pipelines sharing a pool name share its capacity
     if read_state() is not None:
         raise ConfigError("a local riskserve is already running: `riskserve down` first")
+    for spec in specs:
+        if reset_served:
+            reset(spec.name)
+        served_artifacts(spec)  # a recorded artifact that cannot serve fails here, naming --reset
     directory = state_dir()
     token = install_token(directory)  # makes the directory 0700 too
     log_path = directory / "riskserve.log"
@@ -326,7 +338,6 @@ def down(timeout_s: float = 90.0) -> LocalState:
     if _alive(state.pid):
         os.killpg(state.pid, signal.SIGKILL)
     (state_dir() / "state.json").unlink(missing_ok=True)
-    (state_dir() / "artifacts.json").unlink(missing_ok=True)  # swaps last until down
     return state
 
 
@@ -338,7 +349,6 @@ def _drain(specs: Sequence[PipelineSpec]) -> None:
     from ray import serve
 
     from riskserve.operations.app import build_application
-    from riskserve.operations.publish import live_artifacts
 
     for spec in specs:
         if spec.feedback is not None:  # no learner publish may follow (it would redeploy the pipeline)
@@ -348,8 +358,9 @@ def _drain(specs: Sequence[PipelineSpec]) -> None:
                 )
             except Exception:
                 logger.exception("could not fence the learner of '%s'; draining anyway", spec.name)
-        # What each model serves now (swapped or learned), never the YAML's: draining changes nothing else.
-        app = build_application(spec, draining=True, artifacts=live_artifacts(spec))
+        # What the served record says each model serves (swapped, rolled back or learned; the fence
+        # stopped every later publish), never the YAML's: draining changes nothing else.
+        app = build_application(spec, draining=True)
         serve.run(app, name=spec.name, route_prefix=None)
     time.sleep(DRAIN_S)
 
@@ -359,7 +370,6 @@ def _serve_forever(paths: Sequence[Path], grpc_port: int | None, host: str | Non
     import ray
 
     specs = assign_endpoints([load_pipeline(p) for p in paths], base_port=grpc_port, host=host)
-    (state_dir() / "artifacts.json").unlink(missing_ok=True)  # a new start serves what the YAML says
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -12,8 +12,11 @@ without one, only ``riskserve swap`` publishes, under a per-pipeline file lock.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
+from riskserve.operations.served import Source, record_served
+from riskserve.platform.errors import RiskServeError
 from riskserve.platform.runner import ModelStatus
 from riskserve.schema.deployments import INGRESS
 from riskserve.schema.pipeline import PipelineSpec
@@ -136,15 +139,28 @@ def every_replica(
 
 
 def publish_checked(
-    spec: PipelineSpec, model: str, artifact: str, version: str, previous: str, *, build: AppBuilder
+    spec: PipelineSpec,
+    model: str,
+    artifact: str,
+    version: str,
+    previous: str,
+    *,
+    build: AppBuilder,
+    source: Source,
+    previous_version: str | None = None,
+    records: Path | None = None,
 ) -> None:
-    """Publish ``artifact`` (holding ``version``) for ``model`` and confirm on every replica; if one does
-    not serve it, publish ``previous`` back before raising, so a failed publish never takes effect.
+    """Publish ``artifact`` (holding ``version``) for ``model``, confirm it on every replica, then record
+    it in the pipeline's served record (:mod:`riskserve.operations.served`, ``source`` says why it serves;
+    ``records``: the records directory, default this process's).
+    If a replica does not serve it, or the record cannot be written, ``previous`` is published back before
+    raising, so a failed publish never takes effect and the record always names what serves.
 
     The caller holds the pipeline's publish lock (see the module docstring).
 
     Raises:
-        ModelLoadError: a replica refused the new version (or never answered); ``previous`` serves again.
+        ModelLoadError: a replica refused the new version (or never answered), or the record could not be
+            written; ``previous`` serves again.
     """
     from riskserve.platform.errors import ModelLoadError, ModelUnavailable
 
@@ -159,3 +175,17 @@ def publish_checked(
         raise ModelLoadError(
             f"{len(stale)} replica(s) refused {version} ({stale[0].last_swap_error}); rolled back"
         )
+    try:
+        record_served(
+            spec,
+            model,
+            artifact,
+            version,
+            source=source,
+            previous=previous,
+            previous_version=previous_version,
+            directory=records,
+        )
+    except (OSError, RiskServeError) as error:
+        publish_artifacts(spec, {model: previous}, build=build)
+        raise ModelLoadError(f"{version} served but not recorded ({error}); rolled back") from error

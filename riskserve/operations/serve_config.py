@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from riskserve.operations.served import served_artifacts
 from riskserve.schema.endpoints import assign_endpoints
 from riskserve.schema.pipeline import load_pipeline
 
@@ -16,28 +17,33 @@ def serve_config(paths: Sequence[Path], *, grpc_port: int | None = None) -> dict
     """The Serve config (validated against Ray's ``ServeDeploySchema``) that runs these pipelines.
 
     Each application is ``riskserve.operations.app:build_app`` with the pipeline file as its argument, so the
-    cluster reads the same YAML; deployment names and options come from the YAML, not from this file.
+    cluster reads the same YAML; deployment names and options come from the YAML, not from this file. The
+    models this install's served record names (swapped, rolled back or learned versions, see
+    :mod:`riskserve.operations.served`) go in ``args.artifacts``, so the cluster serves them, not the YAML's.
     Serve's proxies stay off: each pipeline's ingress serves gRPC on its own port (``grpc_port`` numbers
     them from that port, as ``riskserve up --grpc-port`` does).
 
     Raises:
-        ConfigError: two pipelines would share a port.
+        ConfigError: two pipelines would share a port, or a recorded artifact is missing or changed.
     """
     from ray.serve.schema import ServeDeploySchema
 
     loaded = [load_pipeline(p) for p in paths]
     specs = assign_endpoints(loaded, base_port=grpc_port)
-    config = {
-        "proxy_location": "Disabled",
-        "applications": [
+    applications = []
+    for path, spec in zip(paths, specs, strict=True):
+        args: dict[str, Any] = {"pipeline": str(Path(path).resolve()), "grpc_port": spec.serving.grpc.port}
+        served = served_artifacts(spec)
+        if served:
+            args["artifacts"] = served
+        applications.append(
             {
                 "name": spec.name,
                 "route_prefix": None,
                 "import_path": "riskserve.operations.app:build_app",
-                "args": {"pipeline": str(Path(path).resolve()), "grpc_port": spec.serving.grpc.port},
+                "args": args,
             }
-            for path, spec in zip(paths, specs, strict=True)
-        ],
-    }
+        )
+    config = {"proxy_location": "Disabled", "applications": applications}
     ServeDeploySchema.model_validate(config)
     return config

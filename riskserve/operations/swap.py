@@ -8,24 +8,24 @@ the old version. Only one swap of a pipeline runs at a time; a second one gets `
 pipeline with a feedback service the publish itself runs inside that service, under the same lock as the
 learner's publishes, as a compare-and-set on the version the candidate was verified against; the learner
 adopts the candidate only after every replica serves it, so a refused swap never takes effect later.
-Each pipeline's artifact history is kept beside the local state, so ``rollback_model`` returns to the
-previous one.
+Every confirmed publish is kept in the pipeline's served record (:mod:`riskserve.operations.served`),
+so ``rollback_model`` returns to the previous entry, and the swapped version survives ``down`` and ``up``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from riskserve.operations.local import LocalState, connected, read_state, state_dir
+from riskserve.operations.local import LocalState, connected, read_state
 from riskserve.operations.publish import model_status, publish_checked
+from riskserve.operations.served import Source, after_rollback, record_rollback
+from riskserve.operations.state import state_dir
 from riskserve.platform.errors import Conflict, InvalidInput, ModelLoadError, NotFound, RiskServeError
 from riskserve.schema.deployments import FEEDBACK, INGRESS
 from riskserve.schema.pipeline import PipelineSpec
@@ -33,7 +33,6 @@ from riskserve.schema.pipeline import PipelineSpec
 __all__ = [
     "SwapResult",
     "admit_candidate",
-    "artifact_overrides",
     "build_application",
     "exclusive",
     "learning_status",
@@ -54,30 +53,6 @@ class SwapResult:
     new_version: str
     artifact: str
     seconds: float
-
-
-def _history_path() -> Path:
-    return state_dir() / "artifacts.json"
-
-
-def _history() -> dict[str, dict[str, list[str]]]:
-    try:
-        data: dict[str, dict[str, list[str]]] = json.loads(_history_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data
-
-
-def _save_history(history: dict[str, dict[str, list[str]]]) -> None:
-    path = _history_path()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(history, indent=2))
-    os.replace(tmp, path)  # readers see the old or the new history, never half of one
-
-
-def artifact_overrides(pipeline: str) -> dict[str, str]:
-    """The artifact each swapped model of ``pipeline`` serves now (models never swapped are absent)."""
-    return {model: paths[-1] for model, paths in _history().get(pipeline, {}).items() if paths}
 
 
 @contextlib.contextmanager
@@ -133,8 +108,9 @@ def admit_candidate(spec: PipelineSpec, model: str, artifact: Path | str) -> Pat
     )
 
 
-def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
-    """Verify ``artifact`` and make it the serving version of ``model`` (Ray must be connected).
+def swap(spec: PipelineSpec, model: str, artifact: Path | str, *, source: Source = "swap") -> SwapResult:
+    """Verify ``artifact`` and make it the serving version of ``model`` (Ray must be connected); the
+    served record keeps it (``source``: a swap, or a rollback).
 
     Raises:
         NotFound: no such model or candidate. InvalidInput: the candidate is outside the models root.
@@ -157,15 +133,8 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str) -> SwapResult:
             if isinstance(cause, RiskServeError):
                 raise ModelLoadError(f"candidate refused, {old_version} keeps serving: {cause}") from error
             raise
-        history = _history()
-        models = history.setdefault(pipeline, {})
-        previous = models.get(model) or []
-        if not previous or previous[-1] != old_artifact:  # e.g. a version the online learner published
-            previous = [*previous, old_artifact]
         started = time.monotonic()
-        _publish(spec, model, path, str(candidate.version), old_version, old_artifact)
-        models[model] = [*previous, path]
-        _save_history(history)
+        _publish(spec, model, path, str(candidate.version), old_version, old_artifact, source)
         return SwapResult(
             pipeline, model, old_version, str(candidate.version), path, time.monotonic() - started
         )
@@ -179,16 +148,27 @@ def build_application(spec: PipelineSpec, **options: Any) -> Any:
     return build(spec, **options)
 
 
-def _publish(spec: PipelineSpec, model: str, artifact: str, version: str, expected: str, old: str) -> None:
+def _publish(
+    spec: PipelineSpec, model: str, artifact: str, version: str, expected: str, old: str, source: Source
+) -> None:
     """Publish a verified candidate through the pipeline's one publisher (see the module docstring)."""
     if spec.feedback is None:  # no learner: this process is the only publisher, under exclusive()
-        publish_checked(spec, model, artifact, version, old, build=build_application)
+        publish_checked(
+            spec,
+            model,
+            artifact,
+            version,
+            old,
+            build=build_application,
+            source=source,
+            previous_version=expected,
+        )
         return
     from ray import serve
 
     feedback = serve.get_deployment_handle(FEEDBACK, app_name=spec.name)
     try:
-        feedback.swap.remote(model, artifact, version, expected).result()
+        feedback.swap.remote(model, artifact, version, expected, source).result()
     except Exception as error:
         cause = _cause(error)
         if isinstance(cause, RiskServeError):
@@ -197,18 +177,15 @@ def _publish(spec: PipelineSpec, model: str, artifact: str, version: str, expect
 
 
 def rollback(spec: PipelineSpec, model: str) -> SwapResult:
-    """Serve the artifact ``model`` served before its last swap (verified again like any candidate).
+    """Serve the artifact ``model`` served before its last publish in the served record (verified again
+    like any candidate).
 
     Raises:
-        NotFound: the model was never swapped.
+        NotFound: the model has no earlier entry.
     """
-    history = _history().get(spec.name, {}).get(model, [])
-    if len(history) < 2:
-        raise NotFound(f"{spec.name}/{model} has no earlier version to roll back to")
-    result = swap(spec, model, history[-2])
-    full = _history()
-    full[spec.name][model] = history[:-1]  # the swap appended history[-2]; drop it and the version left
-    _save_history(full)
+    target = record_rollback(spec, model)
+    result = swap(spec, model, target.artifact, source="rollback")
+    after_rollback(spec, model)
     return result
 
 

@@ -157,8 +157,8 @@ class FeedbackSpec(_Strict):
     flush_ms: float = Field(default=50, gt=0, le=10_000)
     """Decisions are buffered in the ingress and written to the log in one commit this often."""
     buffer_rows: int = Field(default=100_000, ge=1)
-    """Decisions an ingress replica buffers while the log is unreachable; older ones are dropped past it
-    (counted in the metrics)."""
+    """Decisions an ingress replica keeps while the log is unreachable; past it new ones are refused and
+    counted (``riskserve_decisions_unrecorded``), never one already kept."""
     pool: str | None = None
     """Pool of the feedback service (one replica: it owns the log); default: the first pool."""
     num_cpus: float = Field(default=0.25, ge=0)

@@ -21,7 +21,7 @@ from riskserve.features.stage import FeatureStage
 from riskserve.learning.journal import DecisionJournal, journal_dir
 from riskserve.learning.recorder import DecisionRecorder
 from riskserve.platform.errors import InvalidInput, ModelUnavailable, NotFound, RiskServeError
-from riskserve.platform.metrics import PipelineMetrics
+from riskserve.platform.metrics import LearningMetrics, PipelineMetrics
 from riskserve.platform.runner import CandidateReport, ModelRunner, ModelStatus
 from riskserve.platform.tracing import configure_tracing
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
@@ -99,6 +99,7 @@ class PipelineIngress:
                 flush_s=self._spec.feedback.flush_ms / 1e3,
                 max_rows=self._spec.feedback.buffer_rows,
                 journal=DecisionJournal(journal_dir(self._spec.feedback_log_path())),
+                on_drop=LearningMetrics(self._spec.name).unrecorded,
             )
             recorder.adopt()  # what replicas that died before this one had not sent yet
         local_stage = None

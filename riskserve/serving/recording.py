@@ -39,7 +39,7 @@ def record_decisions(
         logger.error(
             "the feature stage returned no matrix to record; %d decisions not kept", len(decision_ids)
         )
-        recorder.dropped += len(decision_ids)
+        recorder.drop(len(decision_ids))
         return
     columns = tuple(stage.columns)
     records = []

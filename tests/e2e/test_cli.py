@@ -209,6 +209,52 @@ def test_the_audit_trail_holds_what_each_decision_answered(
     assert missing.stderr.startswith("error: no audit record of decision 'no-such-decision'")
 
 
+def _fraud_version(port: int) -> str:
+    from riskserve.client import RiskClient
+
+    fields = {"amount": 42.0, "account_age_days": 900, "txn_velocity_1h": 0, "hour": 14}
+    with RiskClient(f"127.0.0.1:{port}", pipeline="tabular_only", timeout_s=30) as client:
+        response = client.decide(
+            numeric=fields, categorical={"merchant_category": "grocery", "channel": "pos"}
+        )
+    return next(m.version for m in response.models if m.model == "fraud")
+
+
+def _export_artifacts(tabular_yaml: Path, env: dict[str, str]) -> dict[str, str] | None:
+    result = _riskserve("export", "serve-config", str(tabular_yaml), env=env)
+    assert result.returncode == 0, result.stderr
+    (app,) = yaml.safe_load(result.stdout)["applications"]
+    artifacts: dict[str, str] | None = app["args"].get("artifacts")
+    return artifacts
+
+
+def test_a_swap_survives_down_and_up_is_exported_and_up_reset_serves_the_yaml(
+    running: int, cli_env: dict[str, str], tabular_yaml: Path, demo_models: Path
+) -> None:
+    """The served record: what a swap made serve is what `up` serves after `down` and what `export
+    serve-config` names; `up --reset` serves the YAML's artifacts again. Leaves tabular_only running."""
+    from riskserve.demo.build import build_demo_models
+    from riskserve.platform.artifacts import open_artifact
+
+    build_demo_models(demo_models / "candidates" / "seed7", seed=7, only=["fraud"], progress=False)
+    candidate = (demo_models / "candidates" / "seed7" / "fraud").resolve()
+    swapped = open_artifact(candidate, kind="sklearn").version
+    original = open_artifact(demo_models / "fraud", kind="sklearn").version
+    assert swapped != original
+    assert _fraud_version(running) == original
+    result = _riskserve("swap", "tabular_only", "fraud", str(candidate), env=cli_env)
+    assert result.returncode == 0, result.stderr
+    assert _fraud_version(running) == swapped
+    assert _export_artifacts(tabular_yaml, cli_env) == {"fraud": str(candidate)}
+    for reset, expected in (([], swapped), (["--reset"], original)):
+        down = _riskserve("down", env=cli_env)
+        assert down.returncode == 0, down.stderr
+        up = _riskserve("up", str(tabular_yaml), "--grpc-port", str(running), *reset, env=cli_env)
+        assert up.returncode == 0, up.stderr + up.stdout
+        assert _fraud_version(running) == expected, reset
+    assert _export_artifacts(tabular_yaml, cli_env) is None  # the record is gone: the YAML's serve
+
+
 @pytest.mark.parametrize(
     ("edit", "serving", "message"),
     [

@@ -87,11 +87,18 @@ def test_labels_survive_kill_9_and_a_ray_restart_exactly_once(tmp_path: Path, de
             labels.send(2 * BATCH, 3)
             os.kill(pid, signal.SIGKILL)  # fault injected: the learner and log writer dies mid-stream
             labels.send(2 * BATCH + 3, BATCH - 3, retry_s=120)
-            _wait(env, lambda s: s["models"]["fraud"]["last_seq"] == 3 * BATCH, 120)
-        down = _riskserve("down", env=env)
+            learned = _wait(env, lambda s: s["models"]["fraud"]["last_seq"] == 3 * BATCH, 120)
+            learned_version = learned["models"]["fraud"]["version"]
+            assert learned_version != load_version(demo_models / "fraud").version
+        down = _riskserve("down", env=env)  # the drain redeploys what the served record names
         assert down.returncode == 0, down.stderr  # Ray stops: every process, the object store, Serve
-        _up(path, port, env)  # a new Ray; the YAML's artifact is deployed again
+        record = json.loads((tmp_path / "state" / "models" / "restarts.json").read_text())
+        assert record["models"]["fraud"]["entries"][-1]["version"] == learned_version
+        assert record["models"]["fraud"]["entries"][-1]["source"] == "learned"
+        _up(path, port, env)  # a new Ray serves the learned version from its first decision, not the YAML's
         with RiskClient(target, pipeline="restarts", timeout_s=30) as client:
+            first = client.decide_request(labels.requests["req-0"]).models
+            assert {m.version for m in first if m.model == "fraud"} == {learned_version}
             labels.client = client
             labels.send(3 * BATCH, BATCH, retry_s=60)  # decisions made before the restart are in the log
             status = _wait(env, lambda s: s["models"]["fraud"]["last_seq"] == 4 * BATCH, 120)

@@ -410,3 +410,59 @@ def test_every_dashboard_query_answers_on_the_scraped_metrics(
             query = query.replace(variable, value)
         assert "$" not in query, (title, query)
         assert _settle(functools.partial(prometheus.query, query), bool), f"panel {title!r}: {query} is empty"
+
+
+# -- real decisions move the real metrics ----------------------------------------------------------------
+
+REAL = "metrics_real"
+REAL_DECISIONS = 12
+
+
+@pytest.fixture(scope="module")
+def real_decisions(
+    prometheus: PrometheusServer, serve_cluster: ServeCluster, demo_models: Any
+) -> dict[str, float]:
+    """A real tabular pipeline decides ``REAL_DECISIONS`` transactions over gRPC and refuses two invalid
+    ones; returns the outcomes its answers gave (what the metrics must count)."""
+    from riskserve.client import RiskClient
+    from riskserve.demo.dataset import generate_transactions
+    from riskserve.platform.errors import InvalidInput
+    from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+
+    from .conftest import deploy, endpoint, pipeline_on
+
+    spec = pipeline_on("tabular_only.yaml", demo_models, name=REAL)
+    deploy(spec)
+    tx = generate_transactions(REAL_DECISIONS, seed=11)
+    outcomes: dict[str, float] = {}
+    with RiskClient(endpoint(spec), pipeline=REAL, timeout_s=30) as client:
+        for i in range(REAL_DECISIONS):
+            row = tx.row(i)
+            response = client.decide(
+                numeric={k: float(v) for k, v in row.items() if isinstance(v, float)},
+                categorical={k: str(row[k]) for k in ("merchant_category", "channel")},
+            )
+            outcome = pb.Decision.Name(response.decision)
+            outcomes[outcome] = outcomes.get(outcome, 0.0) + 1
+        for _ in range(2):
+            with pytest.raises(InvalidInput, match="amount"):
+                client.decide(numeric={"amount": -1.0}, categorical={"channel": "pos"})
+    return outcomes
+
+
+def test_real_decisions_move_the_real_metrics(
+    prometheus: PrometheusServer, real_decisions: dict[str, float]
+) -> None:
+    """Not the probe: the ingress of a deployed pipeline records each decision by outcome, each model
+    call, the decision latency and the invalid requests, and Prometheus scrapes exactly those counts."""
+    app = f'application="{REAL}"'
+    decisions = f'{DECISIONS.exported}{{pipeline="{REAL}"}}'
+    assert _equal(lambda: _by(prometheus, decisions, "outcome"), real_decisions) == real_decisions
+    requests = f'{MODEL_REQUESTS.exported}{{{app},outcome="ok"}}'
+    per_model = {"credit": float(REAL_DECISIONS), "fraud": float(REAL_DECISIONS)}
+    assert _equal(lambda: _by(prometheus, requests, "model"), per_model) == per_model
+    latency = f'{DECISION_LATENCY.exported}_count{{pipeline="{REAL}"}}'
+    expected_latency = {REAL: float(REAL_DECISIONS)}
+    assert _equal(lambda: _by(prometheus, latency, "pipeline"), expected_latency) == expected_latency
+    invalid = f'{INVALID_REQUESTS.exported}{{pipeline="{REAL}"}}'
+    assert _equal(lambda: _by(prometheus, invalid, "field"), {"amount": 2.0}) == {"amount": 2.0}

@@ -165,11 +165,23 @@ def test_a_failed_probe_reopens_the_breaker(drill: RiskClient, control: Path) ->
     assert _breakers("drill")["fraud"] == "closed"
 
 
-def test_invalid_input_never_counts_against_a_model(drill: RiskClient) -> None:
-    for _ in range(6):
-        with pytest.raises(Exception, match="amount"):
-            drill.decide(numeric={"amount": -1.0}, categorical=REQUEST["categorical"])
-    assert _breakers("drill") == {"credit": "closed", "fraud": "closed"}
+def test_injected_invalid_input_from_the_model_never_counts_against_it(
+    drill: RiskClient, control: Path
+) -> None:
+    """The MODEL refuses the rows as invalid input (fault injected): six calls reach fraud's guarded
+    call, each answers INVALID_ARGUMENT naming the field, and the breaker (4 calls, 50%) stays closed.
+    Counted as failures, they would open it."""
+    from riskserve.platform.errors import InvalidInput
+
+    _faults(control, invalid="merchant_category")
+    try:
+        for _ in range(6):
+            with pytest.raises(InvalidInput, match="merchant_category: injected, refused by model 'fraud'"):
+                drill.decide(**REQUEST)
+        assert _breakers("drill") == {"credit": "closed", "fraud": "closed"}
+    finally:
+        _faults(control)
+    assert not _fraud(drill.decide(**REQUEST)).fallback  # the model scores again, its breaker closed
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from riskserve.platform.errors import Overloaded
 from riskserve.schema.pipeline import OnlineLearningSpec
 from riskserve.wrappers.sklearn_model import LinearSnapshot
 
+from ..learning_helpers import reference_step
 from ..manual_clock import ManualClock
 
 COLUMNS = tuple(FEATURE_NAMES)
@@ -76,7 +77,7 @@ def _reference(
         chunk = slice(start, start + spec.batch_size)
         train = np.array([not is_holdout(f, spec.holdout_every, key) for f in ids[chunk]])
         if train.any():
-            snapshot = train_step(
+            snapshot = reference_step(
                 snapshot, x[chunk][train], y[chunk][train].astype(np.int64), update_scaler=spec.update_scaler
             )
     return snapshot.version
@@ -244,13 +245,13 @@ def test_the_recorder_keeps_decisions_while_the_log_is_unreachable_and_drops_pas
         with pytest.raises(ConnectionError):
             await recorder.flush()
         assert recorder.buffered == 4
-        recorder.add([record(i) for i in range(4, 7)])  # 7 > 5: the two oldest go
+        recorder.add([record(i) for i in range(4, 7)])  # 7 > 5: the two newest are refused, none kept goes
         failing[0] = False
         await recorder.flush()
         return recorder
 
     recorder = asyncio.run(scenario())
-    assert sent == ["r2", "r3", "r4", "r5", "r6"]
+    assert sent == ["r0", "r1", "r2", "r3", "r4"]
     assert recorder.dropped == 2
     assert recorder.buffered == 0
 

@@ -21,10 +21,14 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from pydantic import ValidationError
 
+from riskserve.features.encoder import RawRequest
+from riskserve.features.stage import FeatureStage
 from riskserve.platform.errors import ConfigError
+from riskserve.platform.runner import ModelRunner
 from riskserve.platform.tracing import (
     SPAN_DECIDE,
     SPAN_DECISION,
@@ -43,6 +47,12 @@ from riskserve.platform.tracing import (
     shutdown_tracing,
     start_span,
 )
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
+from riskserve.serving.flow import DecisionFlow
+from riskserve.serving.frontdoor import APPLICATION_METADATA, Admission, _Service
+from riskserve.serving.guarded_call import GuardedModel, LocalEndpoint
+from riskserve.wrappers import backend
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
@@ -80,81 +90,114 @@ def by_name(spans: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [s for s in spans if s["name"] == name]
 
 
-# -- the pipeline's roles, written as the ingress and the replicas are meant to use the module ----------
+# -- the pipeline's real roles: the front door's servicer over the ingress's decision flow -----------------
+
+PIPELINE = Path(__file__).parents[2] / "deploy" / "pipelines" / "tabular_only.yaml"
 
 
-def feature_stage_encode(requests: list[dict[str, Any]], trace: dict[str, str] | None) -> int:
-    """The feature stage replica: continues the trace from the carrier it was handed."""
-    with start_span(
-        SPAN_FEATURES, context=extract(trace), kind=SpanKind.SERVER, attributes={"rows": len(requests)}
-    ):
-        return len(requests)
+def _request(request_id: str, amount: float) -> pb.DecideRequest:
+    return pb.DecideRequest(
+        request_id=request_id,
+        numeric={"amount": amount, "account_age_days": 900.0, "txn_velocity_1h": 0.0, "hour": 14.0},
+        categorical={"merchant_category": "grocery", "channel": "pos"},
+    )
 
 
-async def model_replica_predict(name: str, rows: int, trace: dict[str, str] | None) -> str:
-    """A model replica: continues the trace, reports the version it served."""
-    with start_span(
-        SPAN_MODEL_PREDICT, context=extract(trace), kind=SpanKind.SERVER, attributes={"model.name": name}
-    ) as span:
-        await asyncio.sleep(0)
-        version = f"{name}-v1"
-        span.set_attributes({"model.version": version, "rows": rows})
-        return version
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's tabular models (credit: compiled XGBoost, fraud: logistic regression), in the ingress."""
+    from riskserve.demo.build import build_demo_models
+
+    out = tmp_path_factory.mktemp("models")
+    build_demo_models(out, seed=0, only=["credit", "fraud"], progress=False)
+    return out
 
 
-async def ingress_call_model(name: str, kind: str, rows: int, *, fail: bool = False) -> str:
-    """The ingress's call of one model: a client span around the handle call, fallback included."""
-    with start_span(
-        SPAN_MODEL, kind=SpanKind.CLIENT, attributes={"model.name": name, "model.kind": kind, "rows": rows}
-    ) as span:
-        try:
-            if fail:
-                raise TimeoutError
-            version = await model_replica_predict(name, rows, inject())
-            fallback, reason = False, ""
-        except TimeoutError:
-            version, fallback, reason = "", True, "TIMEOUT"
-            mark_error(reason)
-        span.set_attributes(
-            {"model.version": version, "model.fallback": fallback, "model.fallback_reason": reason}
-        )
-        return version
+class ServicerContext(FakeGrpcContext):
+    """The part of a gRPC servicer context the front door reads and sets (no server runs here)."""
+
+    def __init__(self, *metadata: tuple[str, str | bytes]) -> None:
+        super().__init__(*metadata)
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    def time_remaining(self) -> float | None:
+        return 30.0
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
 
 
-async def ingress_decide(grpc_context: Any, requests: list[dict[str, Any]]) -> list[str]:
-    """The ingress: root span from the gRPC traceparent, features, models in parallel, decisions."""
-    with start_span(
-        SPAN_DECIDE,
-        context=extract(carrier_from_grpc(grpc_context)),
-        kind=SpanKind.SERVER,
-        attributes={"pipeline": "demo", "request.count": len(requests), "rpc.method": "Decide"},
-    ):
-        trace_id = current_trace_id()
-        rows = feature_stage_encode(requests, inject())
-        await asyncio.gather(
-            ingress_call_model("credit", "treelite", rows),
-            ingress_call_model("fraud", "sklearn", rows, fail=True),
-        )
-        for i, request in enumerate(requests):
-            with start_span(SPAN_DECISION, attributes={"request.id": request["id"]}) as span:
-                span.set_attributes({"outcome": "APPROVE", "risk_score": 0.1 * (i + 1)})
-        return [trace_id] * len(requests)
+class Ingress:
+    """What the ingress hands its front door: the pipeline's name, budget and decision flow."""
+
+    def __init__(self, spec: PipelineSpec, flow: DecisionFlow) -> None:
+        self.name = spec.name
+        self.decision_timeout_ms = spec.serving.decision_timeout_ms
+        self.metrics = flow.metrics
+        self.decide = flow.decide
+
+
+def pipeline_spec(models: Path, settings: TracingSettings) -> PipelineSpec:
+    data = yaml.safe_load(PIPELINE.read_text())
+    for name, model in data["models"].items():
+        model["artifact"] = str(models / name)
+    data["tracing"] = settings.model_dump(mode="json")
+    return parse_pipeline(data, base_dir=PIPELINE.parent)
+
+
+async def front_door(spec: PipelineSpec) -> _Service:
+    """The front door's servicer over the ingress's pieces, built as ``PipelineIngress`` builds them for
+    models placed in it (the feature stage configures tracing from the spec, as every replica does)."""
+    columns = spec.features.column_names()
+    guarded = {}
+    for name, model in spec.models.items():
+        runner = ModelRunner(
+            name, model.kind, spec.runner_settings(name), columns, spec.model_columns(name),
+            backends=backend, placement="ingress",
+        )  # fmt: skip
+        await runner.serve(str(spec.artifact_path(name)))
+        guarded[name] = GuardedModel.build(name, model, LocalEndpoint(runner, spec.serving.inline_rows))
+    data = spec.resolved()
+    stage = FeatureStage(data["features"], data["tracing"], spec.serving.matrix_retain_s)
+    flow = DecisionFlow(spec, models=guarded, local_stage=stage)
+    serving = spec.serving
+    admission = Admission(serving.ingress.max_ongoing_requests, serving.ingress.max_queued_requests)
+    return _Service(Ingress(spec, flow), admission, serving.grpc)  # type: ignore[arg-type]
+
+
+def ingress_decide(
+    models: Path, settings: TracingSettings, *metadata: tuple[str, str], count: int = 1
+) -> list[pb.DecideResponse]:
+    """``count`` decisions through the real front door servicer and decision flow."""
+    spec = pipeline_spec(models, settings)
+
+    async def decide() -> list[pb.DecideResponse]:
+        service = await front_door(spec)
+        context = ServicerContext((APPLICATION_METADATA, spec.name), *metadata)
+        requests = [_request(f"r{i}", 42.5 + 10 * i) for i in range(count)]
+        response = await service.DecideBatch(pb.DecideBatchRequest(requests=requests), context)
+        assert context.code is None, context.details
+        return list(response.responses)
+
+    return asyncio.run(decide())
 
 
 # -- the trace tree -------------------------------------------------------------------------------------
 
 
-def test_one_trace_per_decision_continues_the_callers_traceparent(tmp_path: Path) -> None:
+def test_one_trace_per_decision_continues_the_callers_traceparent(models: Path, tmp_path: Path) -> None:
     path = tmp_path / "spans.jsonl"
-    configure_tracing(file_settings(path))
-    requests = [{"id": "r1"}, {"id": "r2"}]
-    trace_ids = asyncio.run(ingress_decide(FakeGrpcContext(("traceparent", SAMPLED)), requests))
+    answers = ingress_decide(models, file_settings(path), ("traceparent", SAMPLED), count=2)
+    assert [a.trace_id for a in answers] == [CALLER_TRACE, CALLER_TRACE]  # the responses' trace_id
 
     spans = read_spans(path)
-    assert trace_ids == [CALLER_TRACE, CALLER_TRACE]  # the responses' trace_id is the trace's id
     assert {s["trace_id"] for s in spans} == {CALLER_TRACE}
     assert sorted(s["name"] for s in spans) == sorted(
-        [SPAN_DECIDE, SPAN_FEATURES, SPAN_MODEL, SPAN_MODEL, SPAN_MODEL_PREDICT, SPAN_DECISION, SPAN_DECISION]
+        [SPAN_DECIDE, SPAN_FEATURES, *[SPAN_MODEL] * 2, *[SPAN_MODEL_PREDICT] * 2, *[SPAN_DECISION] * 2]
     )
     assert len({s["span_id"] for s in spans}) == len(spans)
 
@@ -162,47 +205,45 @@ def test_one_trace_per_decision_continues_the_callers_traceparent(tmp_path: Path
     assert root["parent_span_id"] == CALLER_SPAN
     assert root["parent_is_remote"] is True
     assert root["kind"] == "SERVER"
-    assert root["attributes"] == {"pipeline": "demo", "request.count": 2, "rpc.method": "Decide"}
+    assert root["attributes"] == {"pipeline": "tabular_only", "request.count": 2, "rpc.method": "DecideBatch"}
 
     (features,) = by_name(spans, SPAN_FEATURES)
     assert features["parent_span_id"] == root["span_id"]
-    assert features["parent_is_remote"] is True  # continued from the carrier, as in another process
-    assert features["attributes"] == {"rows": 2}
+    assert features["attributes"]["rows"] == 2
 
-    models = {s["attributes"]["model.name"]: s for s in by_name(spans, SPAN_MODEL)}
-    assert {m["parent_span_id"] for m in models.values()} == {root["span_id"]}
-    assert models["credit"]["attributes"] == {
-        "model.name": "credit",
-        "model.kind": "treelite",
-        "model.version": "credit-v1",
-        "model.fallback": False,
-        "model.fallback_reason": "",
-        "rows": 2,
+    calls = {s["attributes"]["model.name"]: s for s in by_name(spans, SPAN_MODEL)}
+    assert set(calls) == {"credit", "fraud"}
+    served = {m.model: m for m in answers[0].models}
+    for name, call in calls.items():
+        assert call["parent_span_id"] == root["span_id"]
+        assert call["kind"] == "CLIENT"
+        assert call["attributes"]["model.kind"] == {"credit": "treelite", "fraud": "sklearn"}[name]
+        assert call["attributes"]["model.version"] == served[name].version  # what the answer says served
+        assert call["attributes"]["model.fallback"] is False
+        assert call["status"]["code"] == "UNSET"
+    predicts = {s["attributes"]["model.name"]: s for s in by_name(spans, SPAN_MODEL_PREDICT)}
+    assert {n: p["parent_span_id"] for n, p in predicts.items()} == {
+        n: c["span_id"] for n, c in calls.items()
     }
-    assert models["credit"]["status"]["code"] == "UNSET"
-    assert models["fraud"]["attributes"]["model.fallback"] is True
-    assert models["fraud"]["attributes"]["model.fallback_reason"] == "TIMEOUT"
-    assert models["fraud"]["status"] == {"code": "ERROR", "description": "TIMEOUT"}
-
-    (predict,) = by_name(spans, SPAN_MODEL_PREDICT)
-    assert predict["parent_span_id"] == models["credit"]["span_id"]
-    assert predict["attributes"] == {"model.name": "credit", "model.version": "credit-v1", "rows": 2}
 
     decisions = by_name(spans, SPAN_DECISION)
     assert {d["parent_span_id"] for d in decisions} == {root["span_id"]}
-    assert [d["attributes"]["request.id"] for d in decisions] == ["r1", "r2"]
-    assert [d["attributes"]["outcome"] for d in decisions] == ["APPROVE", "APPROVE"]
-    assert [d["attributes"]["risk_score"] for d in decisions] == pytest.approx([0.1, 0.2])
+    outcomes = [pb.Decision.Name(a.decision) for a in answers]
+    assert [d["attributes"]["request.id"] for d in decisions] == ["r0", "r1"]
+    assert [d["attributes"]["outcome"] for d in decisions] == outcomes
+    assert [d["attributes"]["risk_score"] for d in decisions] == pytest.approx(
+        [a.risk_score for a in answers]
+    )
     for span in spans:
         assert span["start_time_ns"] <= span["end_time_ns"]
         assert span["resource"]["service.name"] == "riskserve"
         assert span["resource"]["process.pid"] == os.getpid()
 
 
-def test_without_traceparent_the_decision_is_a_new_root(tmp_path: Path) -> None:
+def test_without_traceparent_the_decision_is_a_new_root(models: Path, tmp_path: Path) -> None:
     path = tmp_path / "spans.jsonl"
-    configure_tracing(file_settings(path))
-    (trace_id,) = asyncio.run(ingress_decide(FakeGrpcContext(), [{"id": "r1"}]))
+    (answer,) = ingress_decide(models, file_settings(path))
+    trace_id = answer.trace_id
 
     spans = read_spans(path)
     (root,) = by_name(spans, SPAN_DECIDE)
@@ -267,12 +308,12 @@ def test_trace_and_file_are_shared_with_a_spawned_process(tmp_path: Path) -> Non
     ids=["ratio-0-new-root", "ratio-0-unsampled-parent", "ratio-1-unsampled-parent"],
 )
 def test_unsampled_traces_export_nothing_but_keep_their_ids(
-    tmp_path: Path, ratio: float, traceparent: str | None
+    models: Path, tmp_path: Path, ratio: float, traceparent: str | None
 ) -> None:
     path = tmp_path / "spans.jsonl"
-    configure_tracing(file_settings(path, sample_ratio=ratio))
     metadata = [("traceparent", traceparent)] if traceparent else []
-    (trace_id,) = asyncio.run(ingress_decide(FakeGrpcContext(*metadata), [{"id": "r1"}]))
+    (answer,) = ingress_decide(models, file_settings(path, sample_ratio=ratio), *metadata)
+    trace_id = answer.trace_id
 
     assert read_spans(path) == []
     assert len(trace_id) == 32
@@ -281,11 +322,10 @@ def test_unsampled_traces_export_nothing_but_keep_their_ids(
         assert trace_id == CALLER_TRACE
 
 
-def test_a_sampled_incoming_parent_is_honoured_at_ratio_0(tmp_path: Path) -> None:
+def test_a_sampled_incoming_parent_is_honoured_at_ratio_0(models: Path, tmp_path: Path) -> None:
     """Parent-based sampling: the ratio decides for new roots; a sampled caller's trace is recorded."""
     path = tmp_path / "spans.jsonl"
-    configure_tracing(file_settings(path, sample_ratio=0.0))
-    asyncio.run(ingress_decide(FakeGrpcContext(("traceparent", SAMPLED)), [{"id": "r1"}]))
+    ingress_decide(models, file_settings(path, sample_ratio=0.0), ("traceparent", SAMPLED))
     assert {s["trace_id"] for s in read_spans(path)} == {CALLER_TRACE}
 
 
@@ -296,17 +336,19 @@ def test_the_callee_follows_the_ingress_sampling_decision(tmp_path: Path) -> Non
     with start_span(SPAN_DECIDE):
         carrier = inject()
     assert int(carrier["traceparent"].split("-")[3], 16) & 1 == 0
-    configure_tracing(file_settings(path, sample_ratio=1.0))  # the 'callee' process samples everything
-    feature_stage_encode([{}], carrier)
+    spec = yaml.safe_load(PIPELINE.read_text())["features"]  # the 'callee' replica samples everything
+    stage = FeatureStage(spec, file_settings(path, sample_ratio=1.0).model_dump(mode="json"))
+    request = _request("r0", 5.0)
+    raw = RawRequest(numeric=dict(request.numeric), categorical=dict(request.categorical), text="")
+    stage.encode([raw], carrier, share=False)
     assert read_spans(path) == []
 
 
 def test_exporter_none_exports_nothing_and_keeps_the_callers_trace_id(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    configure_tracing(TracingSettings(exporter="none"))
-    (trace_id,) = asyncio.run(ingress_decide(FakeGrpcContext(("traceparent", SAMPLED)), [{"id": "r1"}]))
-    assert trace_id == CALLER_TRACE
+    (answer,) = ingress_decide(models, TracingSettings(exporter="none"), ("traceparent", SAMPLED))
+    assert answer.trace_id == CALLER_TRACE
     with start_span(SPAN_DECIDE, context=extract({"traceparent": SAMPLED})) as span:
         assert not span.is_recording()
         assert inject()["traceparent"].split("-")[1] == CALLER_TRACE
