@@ -7,10 +7,10 @@ ingress catches everything and sets the code and details on the context itself. 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import grpc
-from ray.serve.exceptions import BackPressureError
 
 from riskserve.platform.errors import Overloaded, RiskServeError
 
@@ -25,12 +25,20 @@ def _unwrap(error: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else error
 
 
+def _back_pressure(error: BaseException) -> bool:
+    """Whether ``error`` is Serve's ``BackPressureError``, without importing Ray: importing this module
+    must not import Ray (the CLI sets Ray's environment before Ray is imported, see
+    ``operations.local.connected``), and without Ray loaded no such error can exist."""
+    module = sys.modules.get("ray.serve.exceptions")
+    return module is not None and isinstance(error, module.BackPressureError)
+
+
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status and details for an error raised while serving a call."""
     error = _unwrap(error)
     if isinstance(error, RiskServeError):
         return error.grpc_status, str(error)
-    if isinstance(error, BackPressureError):  # a deployment's queue is full (max_queued_requests)
+    if _back_pressure(error):  # a deployment's queue is full (max_queued_requests)
         return Overloaded.grpc_status, f"overloaded: {error}"
     if isinstance(error, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "the decision did not finish in time"
