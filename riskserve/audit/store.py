@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import Any, Final, TypedDict
 
 from riskserve.platform.errors import ConfigError
+from riskserve.platform.sqlite_wal import open_wal
 
 __all__ = ["SCHEMA_VERSION", "AuditRecord", "AuditStore", "create_private", "dumps"]
 
@@ -86,20 +87,14 @@ class AuditStore:
         self.path = Path(path)
         create_private(self.path)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db = open_wal(self.path, busy_timeout_s=busy_timeout_s, synchronous="NORMAL")
         try:
-            self._configure(busy_timeout_s)
+            self._configure()
         except BaseException:
             self._db.close()
             raise
 
-    def _configure(self, busy_timeout_s: float) -> None:
-        db = self._db
-        db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-        mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            raise ConfigError(f"{self.path}: SQLite refused WAL mode (got '{mode}'); use a local file system")
-        db.execute("PRAGMA synchronous = NORMAL")
+    def _configure(self) -> None:
         with self._write() as cur:
             for statement in filter(str.strip, _SCHEMA.split(";")):
                 cur.execute(statement)

@@ -65,6 +65,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from riskserve.platform.errors import AlreadyExists, ConfigError, Conflict, InvalidInput, NotFound
+from riskserve.platform.sqlite_wal import open_wal
 
 __all__ = ["SCHEMA_VERSION", "Batch", "Cursor", "DecisionRecord", "FeedbackAck", "FeedbackLog", "Window"]
 
@@ -240,21 +241,16 @@ class FeedbackLog:
         self.retention_s = float(retention_s)
         self._clock = clock
         self._lock = threading.Lock()
-        # isolation_level=None: no implicit transactions; each write below opens its own explicitly.
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        # Each write below opens its own transaction explicitly; FULL: fsync the WAL on every commit.
+        self._db = open_wal(self.path, busy_timeout_s=busy_timeout_s, synchronous="FULL")
         try:
-            self._configure(busy_timeout_s)
+            self._configure()
         except BaseException:
             self._db.close()
             raise
 
-    def _configure(self, busy_timeout_s: float) -> None:
+    def _configure(self) -> None:
         db = self._db
-        db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-        mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            raise ConfigError(f"{self.path}: SQLite refused WAL mode (got '{mode}'); use a local file system")
-        db.execute("PRAGMA synchronous = FULL")
         db.execute("PRAGMA foreign_keys = ON")
         if self.pragma("synchronous") != 2:  # 2 == FULL: fsync the WAL on every commit
             raise ConfigError(f"{self.path}: SQLite did not accept synchronous=FULL")
