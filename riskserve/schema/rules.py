@@ -247,7 +247,8 @@ class DecisionEngine:
         self._default_reason = decision.default_reason
         self._review_on_fallback = set(spec.review_on_fallback)
         self._fallback_order = sorted(self._review_on_fallback)
-        self._reasons = [f"{rule.name}: {rule.reason}" for rule in decision.rules]
+        self._verdicts = [(rule.outcome, f"{rule.name}: {rule.reason}") for rule in decision.rules]
+        """Each rule's outcome and reason, in rule order, for the compiled forms."""
         self._batch = _BatchProgram.build(spec)
         if self._batch is not None and not self._batch_agrees(spec):
             self._batch = None
@@ -296,28 +297,14 @@ class DecisionEngine:
         flagged = [(name, fallbacks[name].tolist()) for name in self._fallback_order if name in fallbacks]
         risks = risk.tolist()
         unsure_rows = unsure.tolist()
-        rules = [(rule.outcome, reason) for (rule, _), reason in zip(self._rules, self._reasons, strict=True)]
         out: list[Decision] = []
         for i, row in enumerate(rows):
             if unsure_rows[i]:  # CEL raises for this row: decide it the CEL way (REVIEW, with the reason)
                 out.append(self._decide_cel(row, {n: r[i] for n, r in per_model.items()}))
                 continue
-            outcome: Outcome = self._default
-            reasons: list[str] = []
-            for (rule_outcome, reason), hits in zip(rules, matched, strict=True):
-                if hits[i]:
-                    reasons.append(reason)
-                    outcome = _worse(outcome, rule_outcome)
-            for name, marks in flagged:
-                if marks[i]:
-                    result = per_model[name][i]
-                    reasons.append(
-                        f"{name}: model unavailable ({result.fallback_reason}), decided without it"
-                    )
-                    outcome = _worse(outcome, "REVIEW")
-            if not reasons:
-                reasons.append(self._default_reason)
-            out.append(Decision(outcome=outcome, risk_score=risks[i], reasons=reasons))
+            hits = [rule_hits[i] for rule_hits in matched]
+            fallen = [(name, per_model[name][i]) for name, marks in flagged if marks[i]]
+            out.append(self._concluded(hits, fallen, risks[i]))
         return out
 
     def _batch_agrees(self, spec: RuleScope) -> bool:
@@ -357,17 +344,27 @@ class DecisionEngine:
             matched = [rule.evaluate_row(inputs) for rule in program.rules]
         except Unsure:  # CEL raises for this row: decide it the CEL way (REVIEW, with the reason)
             return self._decide_cel(row, results)
+        fallen = [
+            (name, result)
+            for name in self._fallback_order
+            if (result := results.get(name)) is not None and result.fallback
+        ]
+        return self._concluded(matched, fallen, risk_score)
+
+    def _concluded(
+        self, hits: Sequence[bool], fallen: Sequence[tuple[str, ModelResult]], risk_score: float
+    ) -> Decision:
+        """The decision from which rules matched (in rule order) and which reviewing models fell back, as
+        CEL's path concludes it: the worst outcome wins, each its reason, else the default reason."""
         outcome: Outcome = self._default
         reasons: list[str] = []
-        for (rule, _), reason, hit in zip(self._rules, self._reasons, matched, strict=True):
+        for (rule_outcome, reason), hit in zip(self._verdicts, hits, strict=True):
             if hit:
                 reasons.append(reason)
-                outcome = _worse(outcome, rule.outcome)
-        for name in self._fallback_order:
-            result = results.get(name)
-            if result is not None and result.fallback:
-                reasons.append(_unavailable(name, result))
-                outcome = _worse(outcome, "REVIEW")
+                outcome = _worse(outcome, rule_outcome)
+        for name, result in fallen:
+            reasons.append(_unavailable(name, result))
+            outcome = _worse(outcome, "REVIEW")
         if not reasons:
             reasons.append(self._default_reason)
         return Decision(outcome=outcome, risk_score=risk_score, reasons=reasons)
