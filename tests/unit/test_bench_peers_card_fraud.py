@@ -50,8 +50,8 @@ def test_hand_written_rules_equal_riskserve_decision_engine() -> None:
     assert outcomes == {"APPROVE", "REVIEW", "DECLINE"}
 
 
-def test_intent_is_the_softmax_over_the_label_tokens() -> None:
-    prompt = IntentPrompt.read(ROOT / "models" / "intent")
+def test_intent_is_the_softmax_over_the_label_tokens(demo_models: Path) -> None:
+    prompt = IntentPrompt.read(demo_models / "intent")
     assert prompt.labels == ("purchase", "gift", "refund", "account", "urgent")
     assert prompt.prompt("pay now") == "message: pay now\nintent:"
     logprobs = dict(zip(prompt.label_token_ids, [-3.0, -2.0, -9999.0, -0.5, -1.0], strict=True))
