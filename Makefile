@@ -5,6 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 MODELS ?= models
 STAMP := $(VENV)/.riskserve-installed
+TEST_MODELS := $(CURDIR)/.cache/test-models
 
 .PHONY: setup models demo test lint typecheck unit reliability bench bench-peers clean
 
@@ -34,8 +35,16 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy --strict riskserve
 
-test: lint typecheck
-	$(BIN)/pytest
+# The type check and the unit tests run side by side (one core each), then the Ray-backed tiers; both pytest
+# runs share one build of the demo models (tests/conftest.py), made in a fresh directory per run.
+test: lint
+	@rm -rf $(TEST_MODELS) && mkdir -p $(TEST_MODELS)
+	RISKSERVE_TEST_MODELS=$(TEST_MODELS) $(MAKE) --no-print-directory -j2 --output-sync=target typecheck unit
+	RISKSERVE_TEST_MODELS=$(TEST_MODELS) $(BIN)/pytest tests/integration tests/e2e
+	@rm -rf $(TEST_MODELS)
+
+unit: setup
+	$(BIN)/pytest tests/unit
 
 # The fault drills and the soak against a real `riskserve up`, each with a reconciling client (RELIABILITY.md);
 # about 20 minutes, not in `make test`. RISKSERVE_SOAK_S=300 shortens the soak.

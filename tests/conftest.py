@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -15,9 +16,24 @@ PIPELINES = REPO / "deploy" / "pipelines"
 
 @pytest.fixture(scope="session")
 def demo_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """All three demo models (credit, fraud, intent), built by the project's own script."""
+    """All three demo models (credit, fraud, intent), built by the project's own script.
+
+    ``make test`` runs the unit tests beside the type check, then the rest, in two pytest processes that
+    share one build: ``RISKSERVE_TEST_MODELS`` names a fresh directory that the first process to need it
+    builds under an exclusive lock and marks complete; the other waits for the lock and reuses it.
+    """
     from riskserve.demo.build import build_demo_models
 
-    out = tmp_path_factory.mktemp("models")
-    build_demo_models(out, seed=0, progress=False)
-    return out
+    shared = os.environ.get("RISKSERVE_TEST_MODELS")
+    if not shared:
+        out = tmp_path_factory.mktemp("models")
+        build_demo_models(out, seed=0, progress=False)
+        return out
+    out = Path(shared)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".complete").exists():
+            build_demo_models(out / "models", seed=0, progress=False)
+            (out / ".complete").touch()
+    return out / "models"
