@@ -346,7 +346,7 @@ def learning_spec(models: Path, log_dir: Path, batch_size: int) -> Any:
 
     data = copy.deepcopy(yaml.safe_load((PIPELINES / f"{PIPELINE}.yaml").read_text()))
     data["name"] = LEARNING
-    data["pools"] = {"cpu": {"cpus": 2.5}}  # both pipelines share the pool: 1 + 1.25 CPUs
+    data["pools"] = {"cpu": {"cpus": 3}}  # two pipelines, each two ingress replicas x 0.75
     for name, model in data["models"].items():
         model["artifact"] = str((models / name).resolve())
     data["models"][MODEL]["online"] = {"batch_size": batch_size, "interval_ms": 600_000}

@@ -5,17 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 from riskserve.operations.local import LocalState, connected, read_state
+from riskserve.operations.publish import every_replica, model_status
 from riskserve.platform.runner import ModelStatus
-from riskserve.schema.deployments import INGRESS
-from riskserve.schema.pipeline import load_pipeline
+from riskserve.schema.pipeline import PipelineSpec, load_pipeline
 
 __all__ = ["collect_status", "print_status"]
 
+STATUS_TIMEOUT_S = 5.0
+"""How long ``status`` asks a model's replicas before it shows the ones that answered."""
+
 
 def collect_status(state: LocalState) -> dict[str, Any]:
-    """Serve's view of each pipeline (application and deployment states) plus each model's typed
-    :class:`ModelStatus`, asked of the ingress (which knows whether a model runs in it or in a
-    deployment of its own)."""
+    """Serve's view of each pipeline (application and deployment states) plus, per model, the typed
+    :class:`ModelStatus` of every replica that serves it (asked of the ingress, which knows whether a model
+    runs in it or in a deployment of its own), so replicas that disagree on a version show."""
     with connected(state):
         from ray import serve
 
@@ -33,10 +36,10 @@ def collect_status(state: LocalState) -> dict[str, Any]:
                 }
                 for dep_name, dep in app.deployments.items()
             }
-            models: dict[str, ModelStatus] = {}
-            ingress = serve.get_deployment_handle(INGRESS, app_name=name)
-            for model in load_pipeline(state.pipeline_files[name]).models:
-                models[model] = ingress.model_status.remote(model).result(timeout_s=30)
+            models: dict[str, list[ModelStatus]] = {}
+            spec = load_pipeline(state.pipeline_files[name])
+            for model in spec.models:
+                models[model] = _every_replica(spec, model)
             out[name] = {
                 "status": str(app.status.value),
                 "endpoint": state.endpoint(name),
@@ -61,7 +64,21 @@ def print_status() -> int:
             replicas = ", ".join(f"{n} {s}" for s, n in dep["replicas"].items())
             print(f"  {name:<16} {dep['status']:<10} replicas: {replicas}")
             healthy &= dep["status"] == "HEALTHY"
-        for name, model in info["models"].items():
-            print(f"  model {name:<10} {model.kind:<9} in {model.placement:<10} {model.version}")
-            healthy &= model.ready
+        for name, replicas in info["models"].items():
+            first = replicas[0]
+            versions = sorted({str(r.version) for r in replicas})
+            shown = versions[0] if len(versions) == 1 else " / ".join(versions) + " (replicas differ)"
+            print(f"  model {name:<10} {first.kind:<9} in {first.placement:<10} {shown}")
+            healthy &= all(r.ready for r in replicas)
     return 0 if healthy else 1
+
+
+def _every_replica(spec: PipelineSpec, model: str) -> list[ModelStatus]:
+    """Every replica's status of ``model``; the replicas that answered within a few seconds if not all
+    did (a replica being replaced), and at least one."""
+    from riskserve.platform.errors import ModelUnavailable
+
+    try:
+        return every_replica(spec, model, timeout_s=STATUS_TIMEOUT_S)
+    except ModelUnavailable:
+        return [model_status(spec, model)]

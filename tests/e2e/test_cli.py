@@ -260,16 +260,16 @@ def test_a_swap_survives_down_and_up_is_exported_and_up_reset_serves_the_yaml(
     [
         ({"timeout_ms": 0}, None, "models.fraud.timeout_ms: Input should be greater than 0"),
         (
-            {"num_cpus": 0.75},
+            {"num_cpus": 1.25},
             {"ingress": {"replicas": 2}},
-            "pools.cpu: models need 2.5 CPUs (ingress (credit) 2 x 0.25, ingress (fraud) 2 x 0.75, "
-            "ingress 2 x 0.25), the pool has 1",
+            "pools.cpu: models need 3.5 CPUs (ingress (credit) 2 x 0.25, ingress (fraud) 2 x 1.25, "
+            "ingress 2 x 0.25), the pool has 3",
         ),
         (
-            {"num_cpus": 0.75, "replicas": 2, "placement": "deployment"},
+            {"num_cpus": 0.75, "replicas": 3, "placement": "deployment"},
             None,
-            "pools.cpu: models need 2 CPUs (ingress (credit) 1 x 0.25, fraud 2 x 0.75, ingress 1 x 0.25), "
-            "the pool has 1",
+            "pools.cpu: models need 3.25 CPUs (ingress (credit) 2 x 0.25, fraud 3 x 0.75, ingress 2 x 0.25), "
+            "the pool has 3",
         ),
         (
             {"replicas": 2},

@@ -36,6 +36,7 @@ def _pipeline(tmp_path: Path, models: Path) -> Path:
     data: dict[str, Any] = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
     data["name"] = "restarts"
     data["pools"] = {"cpu": {"cpus": 1.25}}
+    data["serving"] = {"ingress": {"replicas": 1}}  # a small Ray; two: test_online_learning
     for name, model in data["models"].items():
         model["artifact"] = str(models / name)
         model["timeout_ms"] = 20_000

@@ -107,7 +107,8 @@ def pipeline_on(yaml_name: str, models: Path, **overrides: Any) -> PipelineSpec:
     """A shipped pipeline YAML with its artifacts pointed at ``models`` (the session's demo models).
 
     Model timeouts are raised to :data:`GENEROUS_TIMEOUT_MS`; the resilience tests set their own. The
-    pipeline gets a free gRPC port of its own (``serving.grpc.port``), unless ``overrides`` set one.
+    pipeline gets a free gRPC port of its own (``serving.grpc.port``), unless ``overrides`` set one, and one
+    ingress replica unless ``overrides`` set ``serving.ingress``.
     """
     data = copy.deepcopy(yaml.safe_load((PIPELINES / yaml_name).read_text()))
     data.setdefault("serving", {}).setdefault("grpc", {})["port"] = free_port()
@@ -119,6 +120,9 @@ def pipeline_on(yaml_name: str, models: Path, **overrides: Any) -> PipelineSpec:
         data["feedback"]["log_path"] = str(Path(tempfile.mkdtemp(prefix="feedback-")) / "log.sqlite")
     if "audit" in data:  # the same for the audit trail
         data["audit"]["path"] = tempfile.mkdtemp(prefix="audit-")
+    # One ingress replica unless a test asks for more: one process keeps what a test says about "the
+    # replica" exact and the session's small Ray enough (the default of two is drilled where it matters).
+    data["serving"].setdefault("ingress", {}).setdefault("replicas", 1)
     serving = overrides.pop("serving", None)
     data.update(overrides)
     if serving is not None:  # merged, so an override of the serving section keeps the free port

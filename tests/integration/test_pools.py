@@ -98,13 +98,13 @@ def test_shipped_pipeline_fits_its_pools() -> None:
     demands = pool_demands(spec)
     assert set(demands) == {"cpu", "llm"}
     cpu = demands["cpu"]
-    # credit and fraud run inside the ingress: their shares count once per ingress replica, and the
-    # feature stage is encoded there too (no deployment of its own).
-    assert cpu.cpus == pytest.approx(0.75)
+    # credit and fraud run inside the ingress: their shares count once per ingress replica (two by
+    # default), and the feature stage is encoded there too (no deployment of its own).
+    assert cpu.cpus == pytest.approx(1.5)
     assert [(p.deployment, p.replicas, p.num_cpus) for p in cpu.placements] == [
-        ("ingress (credit)", 1, 0.25),
-        ("ingress (fraud)", 1, 0.25),
-        ("ingress", 1, 0.25),
+        ("ingress (credit)", 2, 0.25),
+        ("ingress (fraud)", 2, 0.25),
+        ("ingress", 2, 0.25),
         ("feedback", 1, 0.0),
     ]
     assert ingress_cpus(spec) == pytest.approx(0.75)  # what Ray is asked for one ingress replica
@@ -146,10 +146,10 @@ def test_an_overcommitted_gpu_pool_names_the_numbers() -> None:
 
 
 def test_an_overcommitted_cpu_pool_counts_the_pipeline_stages() -> None:
-    spec = _edited(lambda d: d["models"]["credit"].update(replicas=6))
+    spec = _edited(lambda d: d["models"]["credit"].update(replicas=10))
     assert overcommit_errors(spec) == [
-        "pools.cpu: models need 2.25 CPUs "
-        "(credit 6 x 0.25, fraud 1 x 0.25, features 1 x 0.25, ingress 1 x 0.25), the pool has 2"
+        "pools.cpu: models need 3.5 CPUs "
+        "(credit 10 x 0.25, fraud 1 x 0.25, features 1 x 0.25, ingress 2 x 0.25), the pool has 3"
     ]
     with pytest.raises(ConfigError, match="1 pool error"):
         check_pools(spec)
@@ -163,10 +163,10 @@ def test_a_gpu_model_on_a_pool_without_gpus() -> None:
 
 
 def test_a_replica_larger_than_its_pool_could_never_be_placed() -> None:
-    errors = overcommit_errors(_edited(lambda d: d["models"]["credit"].update(num_cpus=3)))
-    big = "models.credit: one replica needs 3 CPUs, more than pool 'cpu' has (2): it could never be placed"
+    errors = overcommit_errors(_edited(lambda d: d["models"]["credit"].update(num_cpus=4)))
+    big = "models.credit: one replica needs 4 CPUs, more than pool 'cpu' has (3): it could never be placed"
     assert big in errors
-    assert any(e.startswith("pools.cpu: models need 3.75 CPUs") for e in errors)
+    assert any(e.startswith("pools.cpu: models need 5 CPUs") for e in errors)
 
 
 def test_more_than_one_gpu_must_be_whole() -> None:
@@ -185,15 +185,16 @@ def test_pipelines_sharing_a_pool_add_up() -> None:
     card = _parse(_card_fraud())
     tabular_data = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
     tabular = parse_pipeline(tabular_data, base_dir=PIPELINES)  # its two models inside its ingress
-    # card_fraud: credit, fraud, features, ingress at 0.25 each; tabular_only: one ingress of 0.75.
-    assert pool_demands([card, tabular])["cpu"].cpus == pytest.approx(1.75)
+    # card_fraud: credit, fraud, features at 0.25 each and two ingress replicas at 0.25; tabular_only:
+    # two ingress replicas of 0.75 (its models inside).
+    assert pool_demands([card, tabular])["cpu"].cpus == pytest.approx(2.75)
     assert overcommit_errors([card, tabular]) == []
     busier = _edited(lambda d: d["models"]["fraud"].update(replicas=3))
     assert overcommit_errors([busier, tabular]) == [
-        "pools.cpu: models need 2.25 CPUs (card_fraud/credit 1 x 0.25, card_fraud/fraud 3 x 0.25, "
-        "card_fraud/features 1 x 0.25, card_fraud/ingress 1 x 0.25, tabular_only/ingress (credit) 1 x 0.25, "
-        "tabular_only/ingress (fraud) 1 x 0.25, tabular_only/ingress 1 x 0.25), "
-        "the pool has 2"
+        "pools.cpu: models need 3.25 CPUs (card_fraud/credit 1 x 0.25, card_fraud/fraud 3 x 0.25, "
+        "card_fraud/features 1 x 0.25, card_fraud/ingress 2 x 0.25, tabular_only/ingress (credit) 2 x 0.25, "
+        "tabular_only/ingress (fraud) 2 x 0.25, tabular_only/ingress 2 x 0.25), "
+        "the pool has 3"
     ]
 
 
@@ -216,7 +217,7 @@ def test_actor_options_and_node_resources() -> None:
     }
     shipped = _parse(_card_fraud())  # cpu and llm on one node group: its nodes offer both
     assert node_group_resources(shipped) == {
-        "cpu-workers": {"riskserve_pool_cpu": 2001.0, "riskserve_pool_llm": 1001.0}
+        "cpu-workers": {"riskserve_pool_cpu": 3001.0, "riskserve_pool_llm": 1001.0}
     }
     half = _edited(lambda d: d["pools"]["cpu"].update(cpus=2.5))
     resources = single_node_resources([half, spec])

@@ -193,7 +193,8 @@ def slow_drill(
     _faults(control, delay_ms=3000)
     spec = _drill(
         "drill_slow", demo_models, control, fraud={"timeout_ms": 10_000},
-        serving={"ingress": {"max_ongoing_requests": 2, "max_queued_requests": 1, "num_cpus": 0.25},
+        serving={"ingress": {"replicas": 1, "max_ongoing_requests": 2, "max_queued_requests": 1,
+                             "num_cpus": 0.25},
                  "decision_timeout_ms": 10_000},
     )  # fmt: skip
     deploy(spec)
