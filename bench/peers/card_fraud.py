@@ -1,22 +1,38 @@
-"""The full decision with the LLM (``card_fraud``) as a team's own gateway computes it: numpy only.
+"""The full decision with the LLM (``card_fraud``) as a team's own gateway computes it (no riskserve on
+its request path).
 
 ``deploy/pipelines/card_fraud.yaml`` written out by hand, as a team without riskserve writes it in its
 gateway: the intent model's prompt and label tokens (read from the artifact's ``manifest.json``, the way
 the team would read its model card), the label distribution from the label tokens' log-probabilities, and
 the pipeline's risk score and rules. riskserve computes the same thing from the YAML (CEL rules, every
 matching rule applies and the most severe outcome wins); the harness checks the two against each other
-on every answer.
+on every answer. Shared by the two peers of that workload: the separate-services gateway
+(``bench/peers/llm_gateway.py``) and plain Ray Serve (``bench/peers/ray_serve_card_fraud.py``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["FALLBACK_INTENT", "IntentPrompt", "decide", "intent_from_logprobs"]
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+
+__all__ = [
+    "FALLBACK_INTENT",
+    "IntentPrompt",
+    "decide",
+    "intent_engine",
+    "intent_from_logprobs",
+    "respond",
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+PIPELINE = ROOT / "deploy" / "pipelines" / "card_fraud.yaml"
 
 FALLBACK_INTENT = ("unknown", 0.0)
 """The YAML's intent fallback: label ``unknown``, score 0.0, and the decision goes to REVIEW."""
@@ -96,3 +112,70 @@ def decide(
         reasons.append(f"{model}: model unavailable, decided without it")
         outcome = "REVIEW" if _SEVERITY[outcome] < _SEVERITY["REVIEW"] else outcome
     return risk, outcome, reasons or ["low risk"]
+
+
+def respond(
+    request: pb.DecideRequest,
+    credit: float,
+    fraud: float,
+    intent: tuple[str, float],
+    fallbacks: Sequence[str] = (),
+) -> pb.DecideResponse:
+    """The answer to one request: :func:`decide`'s outcome and reasons, and each model's score (a model in
+    ``fallbacks`` is marked ``fallback``)."""
+    risk, outcome, reasons = decide(credit, fraud, intent, request.numeric, fallbacks)
+    return pb.DecideResponse(
+        request_id=request.request_id or uuid.uuid4().hex,
+        decision=outcome,
+        risk_score=risk,
+        models=[
+            pb.ModelScore(model="credit", score=credit, fallback="credit" in fallbacks),
+            pb.ModelScore(model="fraud", score=fraud, fallback="fraud" in fallbacks),
+            pb.ModelScore(model="intent", score=intent[1], label=intent[0], fallback="intent" in fallbacks),
+        ],
+        reasons=reasons,
+        pipeline="card_fraud",
+    )
+
+
+def intent_engine(models: Path, pipeline: Path = PIPELINE) -> tuple[dict[str, Any], dict[str, str]]:
+    """vLLM engine arguments and environment for card_fraud's intent model: the settings riskserve's vLLM
+    wrapper starts it with (its ``VLLMSettings`` defaults under the YAML's ``settings``), so every peer's
+    engine does the same work per text as riskserve's.
+
+    Returns ``(EngineArgs keyword arguments, environment variables)``; the environment must be set before
+    the engine starts (vLLM reads it then). ``OMP_NUM_THREADS`` is the model's ``num_cpus``, as Ray gives
+    riskserve's replica.
+    """
+    import yaml
+
+    from riskserve.wrappers.vllm_model import VLLMSettings
+
+    intent = yaml.safe_load(pipeline.read_text())["models"]["intent"]
+    settings = VLLMSettings.model_validate(
+        {"name": "intent", "artifact": models / "intent", **intent.get("settings", {})}
+    )
+    root = str((models / "intent").resolve())
+    engine = {
+        "model": root,
+        "tokenizer": root,
+        "trust_remote_code": False,
+        "load_format": "safetensors",
+        "dtype": settings.dtype,
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "enforce_eager": settings.enforce_eager,
+        "seed": settings.seed,
+        "disable_log_stats": True,
+    }
+    env = {
+        "OMP_NUM_THREADS": str(max(int(intent.get("num_cpus", 1)), 1)),
+        "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_space_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": settings.omp_threads_bind,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    return engine, env

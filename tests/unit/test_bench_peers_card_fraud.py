@@ -1,6 +1,7 @@
-"""The separate-services peer of ``card_fraud`` decides as riskserve does: its hand-written rules equal
-riskserve's compiled ``decision`` section, its intent equals the wrapper's softmax over the label tokens,
-and the load generator checks the intent and leaves fallback answers unchecked but counted."""
+"""The peers of ``card_fraud`` (separate services, plain Ray Serve) decide as riskserve does: their
+hand-written rules equal riskserve's compiled ``decision`` section, their intent equals the wrapper's
+softmax over the label tokens, their LLM engines get riskserve's engine settings, and the load generator
+checks the intent and leaves fallback answers unchecked but counted."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from pathlib import Path
 import numpy as np
 
 from bench.loadgen import Tally, read_expected
-from bench.peers.card_fraud import FALLBACK_INTENT, IntentPrompt, decide, intent_from_logprobs
+from bench.peers.card_fraud import (
+    FALLBACK_INTENT,
+    IntentPrompt,
+    decide,
+    intent_engine,
+    intent_from_logprobs,
+    respond,
+)
 from riskserve.features.encoder import ValidRow
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as rpb
 from riskserve.schema.pipeline import load_pipeline
@@ -83,3 +91,53 @@ def test_loadgen_checks_the_intent_and_counts_fallbacks_unchecked(tmp_path: Path
     assert tally.wrong_example.startswith("a: intent ('account', 0.9)")
     tally.answered(0.001, [answer("unknown", 0.0, fallback=True)], expect)
     assert (tally.wrong, tally.fallbacks["intent"], tally.decisions) == (2, 1, 4)
+
+
+def test_the_peers_answer_carries_the_decision_and_marks_fallbacks() -> None:
+    request = rpb.DecideRequest(request_id="r1", numeric={"amount": 900.0, "device_change": 1.0})
+    answer = respond(request, 0.2, 0.9, ("urgent", 0.85))
+    risk, outcome, reasons = decide(0.2, 0.9, ("urgent", 0.85), request.numeric)
+    assert (answer.request_id, answer.risk_score, answer.decision, list(answer.reasons)) == (
+        "r1",
+        risk,
+        rpb.Decision.Value(outcome),
+        reasons,
+    )
+    assert [(m.model, m.score, m.label, m.fallback) for m in answer.models] == [
+        ("credit", 0.2, "", False),
+        ("fraud", 0.9, "", False),
+        ("intent", 0.85, "urgent", False),
+    ]
+    fallen = respond(request, 0.5, 0.5, FALLBACK_INTENT, ["intent"])
+    assert [m.fallback for m in fallen.models] == [False, False, True]
+    assert fallen.decision == rpb.REVIEW
+    assert fallen.reasons[-1] == "intent: model unavailable, decided without it"
+
+
+def test_every_peers_llm_engine_gets_riskserves_engine_settings(demo_models: Path) -> None:
+    from riskserve.wrappers.vllm_model import VLLMSettings
+
+    engine, env = intent_engine(demo_models)
+    ours = VLLMSettings.model_validate(
+        {
+            "name": "intent",
+            "artifact": demo_models / "intent",
+            **load_pipeline(PIPELINE).models["intent"].settings,
+        }
+    )
+    assert (ours.max_model_len, ours.max_num_seqs) == (128, 32)  # card_fraud.yaml's settings reach both
+    assert {k: engine[k] for k in ("dtype", "max_model_len", "max_num_seqs", "enforce_eager", "seed")} == {
+        "dtype": ours.dtype,
+        "max_model_len": ours.max_model_len,
+        "max_num_seqs": ours.max_num_seqs,
+        "enforce_eager": ours.enforce_eager,
+        "seed": ours.seed,
+    }
+    assert engine["max_num_batched_tokens"] == ours.max_num_batched_tokens
+    assert engine["gpu_memory_utilization"] == ours.gpu_memory_utilization
+    assert (engine["load_format"], engine["trust_remote_code"]) == ("safetensors", False)
+    assert engine["model"] == str((demo_models / "intent").resolve())
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(ours.kv_cache_space_gib)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == ours.omp_threads_bind
+    assert env["OMP_NUM_THREADS"] == "1"  # the intent model's num_cpus, as Ray gives riskserve's replica
+    assert env["HF_HUB_OFFLINE"] == "1"
