@@ -81,7 +81,18 @@ class DecisionRecorder:
 
     async def flush(self) -> None:
         """Send every decision buffered now; raises if the feedback service cannot take them (they are
-        kept, in front of any added meanwhile, for the next flush)."""
+        kept, in front of any added meanwhile, for the next flush).
+
+        A caller that stops waiting (a label's deadline) does not cancel the send: it runs in a task of
+        its own and completes. Cancelling it would throw away a commit the service may already have made
+        and put the whole batch back, so every later flush re-sent a bigger one while labels kept timing
+        out under it (a slow moment of the service turned into labels failing for as long as load lasted).
+        """
+        task = asyncio.ensure_future(self._flush())
+        task.add_done_callback(_retrieved)  # a waiter that left does not see its error: it is logged here
+        await asyncio.shield(task)
+
+    async def _flush(self) -> None:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -131,3 +142,9 @@ class DecisionRecorder:
             except Exception as error:  # the service is restarting: keep the records and retry
                 logger.warning("feedback log unreachable (%s); %d decisions kept", error, self.buffered)
                 await asyncio.sleep(RETRY_S)
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """Mark a flush's outcome as seen (its records are kept for the next flush if it failed)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("a flush failed: %s", task.exception())

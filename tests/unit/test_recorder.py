@@ -78,3 +78,37 @@ def test_a_failed_send_keeps_its_records_in_front_for_the_next_flush() -> None:
     sent, recorder = asyncio.run(scenario())
     assert sent == ["d-0", "d-1", "d-2", "d-3"]
     assert (recorder.sent, recorder.dropped) == (4, 1)
+
+
+def test_a_label_that_stops_waiting_does_not_cancel_the_send_in_progress() -> None:
+    """A label's flush timing out (its deadline) must not cancel the shared send: cancelling it threw the
+    service's commit away and put the batch back, so each later flush re-sent a bigger batch while labels
+    kept timing out (the fault drill's labels DEADLINE_EXCEEDED for as long as the load lasted)."""
+
+    async def scenario() -> tuple[list[list[str]], int, int, bool]:
+        sends: list[list[str]] = []
+        cancelled = False
+        release = asyncio.Event()
+
+        async def send(batch: list[DecisionRecord]) -> None:
+            nonlocal cancelled
+            try:
+                await release.wait()  # the feedback service is slow for a moment
+            except asyncio.CancelledError:
+                cancelled = True
+                raise
+            sends.append([r.decision_id for r in batch])
+
+        recorder = DecisionRecorder(send, flush_s=3600, max_rows=100)
+        recorder.add(_records(0, 5))
+        with contextlib.suppress(TimeoutError):  # the label gives up (its deadline), as in Feedback
+            await asyncio.wait_for(recorder.flush(), timeout=0.05)
+        recorder.add(_records(5, 2))
+        release.set()
+        await recorder.flush()  # the next label's flush
+        return sends, recorder.sent, recorder.buffered, cancelled
+
+    sends, sent, buffered, cancelled = asyncio.run(scenario())
+    assert not cancelled
+    assert sends == [[f"d-{i}" for i in range(5)], ["d-5", "d-6"]]  # each decision sent once
+    assert (sent, buffered) == (7, 0)
