@@ -44,6 +44,11 @@ HANG = "HANG"
 """No answer by the call's deadline plus :data:`HANG_GRACE_S`: the one outcome no drill allows."""
 HANG_GRACE_S = 2.0
 RETRY_PAUSE_S = 0.05
+FLOOD_BACKOFF_S = 0.2
+"""A flood worker's pause after a refusal (RESOURCE_EXHAUSTED), as a client honouring the refusal would:
+600 workers still offer up to 3,000 calls a second, several times what the overload drill's replicas take;
+without it the refusals, answered at once, made the flood a busy loop that starved the client's own
+process, which then delivered answers grpc had long ended past the drill's hang limit."""
 
 
 @dataclass(frozen=True)
@@ -172,8 +177,8 @@ class LoadClient:
         label_source: str = "reliability",
         concurrency: int = 0,
     ) -> None:
-        """``concurrency`` > 0: closed loop instead (a flood): that many calls always in flight, each sent
-        as soon as the one before it ends, ``rate`` ignored."""
+        """``concurrency`` > 0: closed loop instead (a flood): that many workers, each sending its next call
+        as soon as the one before it ends (:data:`FLOOD_BACKOFF_S` after a refusal), ``rate`` ignored."""
         self.target, self.pipeline, self.rate = target, pipeline, rate
         self.deadline_s, self.label_every, self.retries = deadline_s, label_every, retries
         self._channels_count = channels
@@ -261,7 +266,8 @@ class LoadClient:
                 async def worker() -> None:
                     while not self._stop.is_set():
                         n = next(counter)
-                        await self._one(stubs[n % len(stubs)], n)
+                        if await self._one(stubs[n % len(stubs)], n) == "RESOURCE_EXHAUSTED":
+                            await asyncio.sleep(FLOOD_BACKOFF_S)
 
                 await asyncio.gather(*(worker() for _ in range(self._concurrency)))
                 return
@@ -285,7 +291,8 @@ class LoadClient:
     def _label_of(self, feedback_id: str) -> int:
         return zlib.crc32(feedback_id.encode()) % 2  # relabel sends the same verdict again
 
-    async def _one(self, stub: pb_grpc.RiskPipelineStub, n: int) -> None:
+    async def _one(self, stub: pb_grpc.RiskPipelineStub, n: int) -> str:
+        """One decision (and its label, if due); returns the decision's outcome kind."""
         request = next(self._requests)
         decided = await self._call(stub, "Decide", request, request.request_id)
         if self.label_every and n % self.label_every == 0 and decided.kind == DECISION:
@@ -296,6 +303,7 @@ class LoadClient:
             )  # fmt: skip
             labelled = await self._call(stub, "Feedback", label, feedback_id)
             labelled.decision_id = decided.decision_id
+        return decided.kind
 
     async def _call(self, stub: pb_grpc.RiskPipelineStub, method: str, request: object, key: str) -> Outcome:
         outcome = Outcome(method=method, request_id=key)
