@@ -77,6 +77,18 @@ def channel(spec: PipelineSpec) -> grpc.Channel:
     return grpc.insecure_channel(endpoint_of(spec))
 
 
+def announced_lanes(app: str, deployment: str) -> list[Any]:
+    """The lanes (:class:`~riskserve.serving.model_lane.LaneAddress`) Ray's key-value store holds for a
+    model deployment's replicas, read directly (not through riskserve)."""
+    from ray.experimental import internal_kv
+
+    from riskserve.serving.model_lane import KV_NAMESPACE, LaneAddress
+
+    keys = internal_kv._internal_kv_list(f"lane/{app}/{deployment}/", namespace=KV_NAMESPACE)
+    values = [internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE) for key in keys]
+    return [LaneAddress.model_validate_json(value) for value in values if value is not None]
+
+
 @pytest.fixture(scope="session")
 def serve_cluster() -> Iterator[ServeCluster]:
     import ray

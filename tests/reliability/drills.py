@@ -81,22 +81,23 @@ def _steady(target: str, app: str, seed: int) -> LoadClient:
 
 
 def kill_model_replica(
-    target: str, replicas: int, *, app: str = PIPELINE, seed: int = 1
+    target: str, replicas: int, *, app: str = PIPELINE, seed: int = 1, settle_s: float = SETTLE_S
 ) -> tuple[Report, Window]:
-    """``kill -9`` of one fraud-model replica under steady load, until Serve has replaced it.
+    """``kill -9`` of one fraud-model replica under steady load, until Serve has replaced it
+    (``settle_s`` of load before the fault and after the recovery).
 
     Pass rule: every decision answered (never a status); with two replicas not one fallback; with one,
     fallbacks only while it is down; every acknowledged label kept.
     """
     wait_for(lambda: len(replica_pids("model-fraud", app)) == replicas, RECOVERY_S, "fraud replicas")
     with _steady(target, app, seed) as load:
-        time.sleep(SETTLE_S)
+        time.sleep(settle_s)
         victim = replica_pids("model-fraud", app)[0]
         started = time.monotonic()
         fault_kill(victim)
         wait_for(replaced("model-fraud", victim, replicas, app), RECOVERY_S, "replacement fraud replica")
         window = Window("kill -9 model replica", started, time.monotonic())
-        time.sleep(SETTLE_S)
+        time.sleep(settle_s)
     report = load.report()
     _no_hang(report)
     assert report.failures({DECISION}) == [], report.summary()
@@ -105,7 +106,7 @@ def kill_model_replica(
     if replicas > 1:
         assert fallbacks == [], report.summary()
     else:
-        late = [o for o in fallbacks if not window.holds(o.sent, grace_s=SETTLE_S)]
+        late = [o for o in fallbacks if not window.holds(o.sent, grace_s=settle_s)]
         assert late == [], f"fallbacks outside the fault window: {report.summary()}"
     figures = {
         **report.summary(),
@@ -135,9 +136,16 @@ def unrecorded(feedback_log: Path, report: Report) -> int:
 
 
 def kill_ingress_replica(
-    target: str, replicas: int, *, app: str = PIPELINE, seed: int = 2, feedback_log: Path | None = None
+    target: str,
+    replicas: int,
+    *,
+    app: str = PIPELINE,
+    seed: int = 2,
+    feedback_log: Path | None = None,
+    settle_s: float = SETTLE_S,
 ) -> tuple[Report, Window]:
-    """``kill -9`` of one ingress replica under steady load, until Serve has replaced it.
+    """``kill -9`` of one ingress replica under steady load, until Serve has replaced it (``settle_s`` of
+    load before the fault and after the recovery).
 
     Pass rule: every request ends in a decision or an acknowledged label; the only failed attempts are
     ``UNAVAILABLE`` (calls in flight on the killed replica, or sent on its connection before the client saw
@@ -145,13 +153,13 @@ def kill_ingress_replica(
     """
     wait_for(lambda: len(replica_pids("ingress", app)) == replicas, RECOVERY_S, "ingress replicas")
     with _steady(target, app, seed) as load:
-        time.sleep(SETTLE_S)
+        time.sleep(settle_s)
         victim = replica_pids("ingress", app)[0]
         started = time.monotonic()
         fault_kill(victim)
         wait_for(replaced("ingress", victim, replicas, app), RECOVERY_S, "replacement ingress replica")
         window = Window("kill -9 ingress replica", started, time.monotonic())
-        time.sleep(SETTLE_S)
+        time.sleep(settle_s)
     report = load.report()
     _no_hang(report)
     assert report.failures({DECISION}) == [], report.summary()
