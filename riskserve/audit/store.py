@@ -1,10 +1,13 @@
 """One SQLite file of audit records (WAL), written by one process, read by any.
 
 A record is one decision as it was answered (:class:`AuditRecord`), kept whole as JSON beside the columns
-a query needs (id, time, pipeline, outcome). Writes are ``INSERT OR IGNORE`` on the decision id, so a
-record replayed from the journal after a crash is written once. Every write is one short ``BEGIN
-IMMEDIATE`` ... ``COMMIT``; retention deletes at most ``rows`` per transaction, so readers and the writer
-never wait long on it.
+a query needs (id, time, pipeline, outcome, the caller's request id). In a pipeline that learns online it
+also holds the encoded feature row the models saw (float32 values) and the digest of its column layout,
+whose column names the file keeps once in ``layouts``: the feedback log joins labels to these records
+(:mod:`riskserve.audit.lookup`) rather than keeping a copy of them. Writes are ``INSERT OR IGNORE`` on
+the decision id, so a record replayed from the journal after a crash is written once. Every write is one
+short ``BEGIN IMMEDIATE`` ... ``COMMIT``; retention deletes at most ``rows`` per transaction, so readers
+and the writer never wait long on it.
 
 Durability: ``synchronous=NORMAL`` in WAL mode: a commit survives the process being killed, and the
 journal (:mod:`riskserve.audit.journal`) covers what is not committed yet; a power loss may lose the last
@@ -15,6 +18,7 @@ requests' input fields.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import sqlite3
@@ -22,14 +26,14 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, TypedDict
+from typing import Any, Final, NotRequired, TypedDict
 
 from riskserve.platform.errors import ConfigError
 from riskserve.platform.sqlite_wal import open_wal
 
-__all__ = ["SCHEMA_VERSION", "AuditRecord", "AuditStore", "create_private", "dumps"]
+__all__ = ["SCHEMA_VERSION", "AuditRecord", "AuditStore", "create_private", "dumps", "layout_digest"]
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -39,10 +43,24 @@ CREATE TABLE IF NOT EXISTS decisions (
     pipeline         TEXT NOT NULL,
     pipeline_version TEXT NOT NULL,
     outcome          TEXT NOT NULL,
-    record           TEXT NOT NULL   -- the whole AuditRecord as JSON
+    record           TEXT NOT NULL,  -- the whole AuditRecord as JSON
+    request_id       TEXT            -- the caller's request id (a correlation id, not unique)
 );
 CREATE INDEX IF NOT EXISTS decisions_decided_at ON decisions (decided_at);
+CREATE TABLE IF NOT EXISTS layouts (
+    digest  TEXT PRIMARY KEY,        -- layout_digest(columns): what a record's "layout" names
+    columns TEXT NOT NULL            -- the column names as a JSON list
+);
 """
+_MIGRATIONS: Final = {
+    # 1 -> 2: the caller's request id as a column (the feedback log finds a decision by it) and layouts.
+    1: [
+        "ALTER TABLE decisions ADD COLUMN request_id TEXT",
+        "UPDATE decisions SET request_id = json_extract(record, '$.request_id')",
+    ],
+}
+_INDEXES: Final = ["CREATE INDEX IF NOT EXISTS decisions_request_id ON decisions (request_id)"]
+"""Created after the migrations (they add the indexed column)."""
 
 
 class AuditRecord(TypedDict):
@@ -67,6 +85,16 @@ class AuditRecord(TypedDict):
     """The decision's reasons as answered (fired rules' texts, fallbacks, the default reason)."""
     top_reasons: list[dict[str, Any]]
     """Reason codes: ``field``, ``text``, ``contribution``, ``model``, ``value``."""
+    features: NotRequired[list[float]]
+    """The encoded row the models saw, as float32 values (exact as JSON doubles); kept when the pipeline
+    learns online (``feedback``), absent otherwise and in records of schema 1."""
+    layout: NotRequired[str]
+    """:func:`layout_digest` of the row's columns (the names are in the file's ``layouts`` table)."""
+
+
+def layout_digest(columns: Sequence[str]) -> str:
+    """A short name for a column layout, derived from the names themselves (so it cannot drift)."""
+    return hashlib.sha256(json.dumps(list(columns)).encode()).hexdigest()[:16]
 
 
 def dumps(record: AuditRecord) -> str:
@@ -99,10 +127,22 @@ class AuditStore:
             for statement in filter(str.strip, _SCHEMA.split(";")):
                 cur.execute(statement)
             rows = cur.execute("SELECT version FROM schema_version").fetchall()
+            found: int | None = SCHEMA_VERSION
             if not rows:
                 cur.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-            elif [r[0] for r in rows] != [SCHEMA_VERSION]:
-                raise ConfigError(f"{self.path}: audit schema {[r[0] for r in rows]}, this code reads 1")
+            else:
+                found = int(rows[0][0]) if len(rows) == 1 else None
+            while found in _MIGRATIONS:  # an older file is upgraded in the same transaction
+                for statement in _MIGRATIONS[found]:
+                    cur.execute(statement)
+                found += 1
+                cur.execute("UPDATE schema_version SET version = ?", (found,))
+            if found != SCHEMA_VERSION:
+                raise ConfigError(
+                    f"{self.path}: audit schema {[r[0] for r in rows]}, this code reads {SCHEMA_VERSION}"
+                )
+            for statement in _INDEXES:
+                cur.execute(statement)
 
     def _write(self) -> _Transaction:
         return _Transaction(self._db, self._lock)
@@ -113,18 +153,36 @@ class AuditStore:
         ``lines``: the records' JSON when the caller has it already (the journal's lines)."""
         texts = lines if lines is not None else [dumps(r) for r in records]
         rows = [
-            (r["decision_id"], r["decided_at"], r["pipeline"], r["pipeline_version"], r["outcome"], text)
+            (
+                r["decision_id"],
+                r["decided_at"],
+                r["pipeline"],
+                r["pipeline_version"],
+                r["outcome"],
+                text,
+                r["request_id"],
+            )
             for r, text in zip(records, texts, strict=True)
         ]
         with self._write() as cur:
             before = self._db.total_changes
             cur.executemany(
                 "INSERT OR IGNORE INTO decisions"
-                " (decision_id, decided_at, pipeline, pipeline_version, outcome, record)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
+                " (decision_id, decided_at, pipeline, pipeline_version, outcome, record, request_id)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             return int(self._db.total_changes - before)
+
+    def add_layout(self, columns: Sequence[str]) -> str:
+        """Keep the names of a column layout (once); returns its digest, what records name it by."""
+        digest = layout_digest(columns)
+        with self._write() as cur:
+            cur.execute(
+                "INSERT OR IGNORE INTO layouts (digest, columns) VALUES (?, ?)",
+                (digest, json.dumps(list(columns))),
+            )
+        return digest
 
     def get(self, decision_id: str) -> AuditRecord | None:
         """The record of one decision, or ``None``."""

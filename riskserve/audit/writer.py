@@ -130,8 +130,13 @@ class AuditWriter:
             raise
         self._store_factory = store_factory
         self._lock = threading.Lock()
+        self._committed = threading.Condition(self._lock)
+        """Notified whenever records leave memory for the store (:meth:`flush_submitted` waits on it)."""
         self._buffer: collections.deque[tuple[AuditRecord, int, str]] = collections.deque()
         """(record, its journal segment or -1, its JSON when the request path made it, else '')."""
+        self._enqueued = self._dequeued = 0
+        """Records ever appended to / committed out of the buffer (FIFO: the first ``_dequeued`` are in)."""
+        self._layouts: dict[tuple[str, ...], str] = {}
         self._segments: dict[int, _Segment] = {s: _Segment(orphaned=True) for s in self._journal.leftovers}
         self._submitted = self._written = self._replayed = self._spilled = self._dropped = self._errors = 0
         self._journal_errors = 0
@@ -170,6 +175,7 @@ class AuditWriter:
             kept = records if room >= len(records) else records[: max(room, 0)]
             for record, line in zip(kept, lines, strict=False):
                 self._buffer.append((record, segment, line))
+            self._enqueued += len(kept)
             if segment > 0:
                 state = self._segments.setdefault(segment, _Segment())
                 state.pending += len(kept)
@@ -216,6 +222,34 @@ class AuditWriter:
             else:
                 self._wake.set()
                 time.sleep(min(self._flush_s, 0.01))
+
+    def flush_submitted(self, timeout_s: float) -> bool:
+        """Wait until every record submitted before this call has left memory: committed to the store,
+        or (memory was full) spilled to the journal, where readers find it too. Records submitted
+        meanwhile are not waited for, so it returns promptly under load. ``False`` if it took too long.
+
+        The feedback RPC calls it, so a label sent right after its decision finds the decision."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            target = self._enqueued
+        if self._thread is None or not self._thread.is_alive():
+            return self.flush(timeout_s)  # not started (tests, tools): work in the caller's thread
+        self._wake.set()
+        with self._committed:
+            while self._dequeued < target:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._committed.wait(left)
+        return True
+
+    def layout(self, columns: Sequence[str]) -> str:
+        """The digest records name ``columns`` by; the names are kept in the slot's store on first use."""
+        key = tuple(columns)
+        digest = self._layouts.get(key)
+        if digest is None:
+            digest = self._layouts[key] = self.store.add_layout(key)
+        return digest
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Commit what is buffered, delete the drained journal, stop the thread and release the slot."""
@@ -302,6 +336,8 @@ class AuditWriter:
                     if segment > 0:
                         self._segments[segment].pending -= 1
                 self._written += len(batch)
+                self._dequeued += len(batch)
+                self._committed.notify_all()
 
     def _segments_with_work(self) -> bool:
         """Whether a journal segment still holds records the store may not have (lock held)."""

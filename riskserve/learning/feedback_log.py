@@ -1,14 +1,21 @@
 """The durable, append-only feedback log that online learning reads: SQLite in WAL mode.
 
 A pipeline's ``Feedback(decision_id | request_id, label, feedback_id)`` RPC records the true outcome of a
-past decision. The decision's features are stored here when it is made (:meth:`FeedbackLog.record_decision`,
-kept for ``retention_s``), so a label can be joined to exactly what the model saw. A decision is keyed by
-the id the SERVER issued it (``DecideResponse.decision_id``); the caller's ``request_id`` is kept beside it
-as a correlation id that need not be unique, so nobody can pre-empt another caller's decision by sending
-its ``request_id`` first. A label naming only a ``request_id`` joins the one decision carrying it, and is
-refused as ambiguous when there are several. A learner reads the labels it
-has not applied yet (:meth:`FeedbackLog.pending`), runs ``partial_fit`` on them as one mini-batch and
-moves its cursor (:meth:`FeedbackLog.mark_applied`).
+past decision. The log keeps labels, cursors, held-out labels and batch reports, and NO copy of the
+decisions: the pipeline's audit trail is the record of every decision (its records carry the encoded
+feature row the models saw), and a label is joined to its audit record by decision id
+(:class:`~riskserve.audit.lookup.DecisionLookup`), when it is recorded (the decision must exist, within
+``retention_s``) and when a learner reads it (the row it trains on). A decision is keyed by the id the
+SERVER issued it (``DecideResponse.decision_id``); the caller's ``request_id`` is kept beside it as a
+correlation id that need not be unique, so nobody can pre-empt another caller's decision by sending its
+``request_id`` first. A label naming only a ``request_id`` joins the one decision carrying it, and is
+refused as ambiguous when there are several. A learner reads the labels it has not applied yet
+(:meth:`FeedbackLog.pending`), runs ``partial_fit`` on them as one mini-batch and moves its cursor
+(:meth:`FeedbackLog.mark_applied`).
+
+A log written before schema 4 has its own ``decisions`` table (the copy the ingress used to send): it is
+kept, read-only, as a second source of decisions, so labels recorded (or pending) before the upgrade keep
+their rows; its rows past retention are purged as before, and no new row is ever written to it.
 
 Durability. The connection runs ``journal_mode=WAL`` with ``synchronous=FULL``: every COMMIT fsyncs the
 WAL before it returns, so an acknowledged label survives ``kill -9`` *and* power loss (``NORMAL`` would
@@ -38,16 +45,17 @@ compare-and-set (``expected_last_seq``) so two learners, or a stale retry, canno
 it refuses to move backwards or past the last recorded label.
 
 Retention (:meth:`FeedbackLog.purge_expired`). A decision older than ``retention_s`` can no longer
-receive feedback (:class:`NotFound`). It is deleted with its feedback rows once every label on it has
-been applied by every *known* model — the models with a cursor row (:meth:`FeedbackLog.register_model`
-or a first :meth:`FeedbackLog.mark_applied`); with no known model nothing with feedback is deleted.
-Feedback rows are never deleted alone: while the decision exists the ``feedback_id`` row exists, so a
-retry can never be counted twice.
+receive feedback (:class:`NotFound`). Its label (each label row keeps its decision's time) is deleted
+once it has been applied by every *known* model — the models with a cursor row
+(:meth:`FeedbackLog.register_model` or a first :meth:`FeedbackLog.mark_applied`); with no known model
+nothing is deleted. A label row is only deleted once its decision is past retention, when no label can be
+taken for it any more, so a retry can never be counted twice. The audit trail's retention
+(``audit.retention_days``) must be at least as long (the pipeline schema checks it), and a label whose
+audit record is gone all the same (the trail was purged or removed) is skipped by the learner, counted.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import operator
@@ -64,32 +72,25 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
+from riskserve.audit.lookup import DecisionLookup, DecisionRef, FeatureRow
 from riskserve.platform.errors import AlreadyExists, ConfigError, Conflict, InvalidInput, NotFound
 from riskserve.platform.sqlite_wal import open_wal
 
-__all__ = ["SCHEMA_VERSION", "Batch", "Cursor", "DecisionRecord", "FeedbackAck", "FeedbackLog", "Window"]
+__all__ = ["SCHEMA_VERSION", "Batch", "Cursor", "FeedbackAck", "FeedbackLog", "Window"]
 
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS decisions (
-    request_id    TEXT PRIMARY KEY,  -- the decision id the server issued (named so since schema 1)
-    pipeline      TEXT NOT NULL,
-    model_version TEXT NOT NULL,
-    features      BLOB NOT NULL,
-    columns       TEXT NOT NULL,
-    decided_at    REAL NOT NULL,
-    caller_id     TEXT               -- the caller's request_id: a correlation id, not unique
-);
-CREATE INDEX IF NOT EXISTS decisions_decided_at ON decisions (decided_at);
 CREATE TABLE IF NOT EXISTS feedback (
     seq         INTEGER PRIMARY KEY AUTOINCREMENT,
     feedback_id TEXT NOT NULL UNIQUE,
-    request_id  TEXT NOT NULL REFERENCES decisions (request_id),
+    request_id  TEXT NOT NULL,       -- the decision id the server issued (named so since schema 1)
     label       INTEGER NOT NULL CHECK (label IN (0, 1)),
     source      TEXT NOT NULL,
-    received_at REAL NOT NULL
+    received_at REAL NOT NULL,
+    caller_id   TEXT,                -- the decision's caller request_id: a correlation id, not unique
+    decided_at  REAL                 -- when the decision was made (retention)
 );
 CREATE INDEX IF NOT EXISTS feedback_request_id ON feedback (request_id);
 CREATE TABLE IF NOT EXISTS cursor (
@@ -126,9 +127,19 @@ _MIGRATIONS: Final = {
         "ALTER TABLE cursor ADD COLUMN paused TEXT",
         "ALTER TABLE decisions ADD COLUMN caller_id TEXT",
         "UPDATE decisions SET caller_id = request_id",
+        "CREATE INDEX IF NOT EXISTS decisions_caller_id ON decisions (caller_id)",
+    ],
+    # 3 -> 4: decisions live in the audit trail; each label keeps its decision's caller id and time, and
+    # the old ``decisions`` table stays, read-only, as a fallback source (its foreign key goes unenforced).
+    3: [
+        "ALTER TABLE feedback ADD COLUMN caller_id TEXT",
+        "ALTER TABLE feedback ADD COLUMN decided_at REAL",
+        "UPDATE feedback SET caller_id = (SELECT d.caller_id FROM decisions AS d"
+        " WHERE d.request_id = feedback.request_id), decided_at = (SELECT d.decided_at FROM decisions AS d"
+        " WHERE d.request_id = feedback.request_id)",
     ],
 }
-_INDEXES: Final = ["CREATE INDEX IF NOT EXISTS decisions_caller_id ON decisions (caller_id)"]
+_INDEXES: Final = ["CREATE INDEX IF NOT EXISTS feedback_decided_at ON feedback (decided_at)"]
 """Created after the migrations (they may add the indexed columns)."""
 
 
@@ -163,25 +174,6 @@ class Cursor:
     """Why learning is paused ('' when it is not): the drift bound was reached; adopting a version resumes."""
 
 
-@dataclass(frozen=True)
-class DecisionRecord:
-    """What one decision's models saw, kept so a later label can be joined to it."""
-
-    decision_id: str
-    """The id the server issued the decision (the log's key)."""
-    pipeline: str
-    model_version: str
-    """The serving versions at decision time (riskserve stores them as JSON ``{model: version}``)."""
-    features: NDArray[np.float32]
-    columns: tuple[str, ...]
-    request_id: str = ""
-    """The caller's request_id (a correlation id, not unique); '' means the same as ``decision_id``."""
-
-    def __post_init__(self) -> None:
-        if not self.request_id:
-            object.__setattr__(self, "request_id", self.decision_id)
-
-
 @dataclass(frozen=True, eq=False)
 class Window:
     """Held-out labels with their features (most recent last), for judging a candidate version."""
@@ -210,18 +202,23 @@ class Batch:
     """Feature names of ``x``; every row of one batch has the same columns."""
     first_received_at: float = 0.0
     """When the oldest label of the batch was recorded (0 for an empty batch)."""
+    covered_seq: int = 0
+    """The last seq the batch accounts for, labels skipped for want of a row included."""
+    unjoined: tuple[str, ...] = ()
+    """Feedback ids of labels skipped: their decision's audit record (its row) is gone."""
 
     def __len__(self) -> int:
         return int(self.seqs.shape[0])
 
     @property
     def last_seq(self) -> int:
-        """The seq to mark applied after this batch (``after_seq`` when the batch is empty)."""
-        return int(self.seqs[-1]) if len(self) else self.after_seq
+        """The seq to mark applied after this batch (``after_seq`` when it accounts for no label)."""
+        return max(int(self.seqs[-1]) if len(self) else self.after_seq, self.covered_seq)
 
 
 class FeedbackLog:
-    """One SQLite file of decisions, labels and per-model cursors; safe to share between threads.
+    """One SQLite file of labels and per-model cursors, joined to the audit trail in ``audit`` (the
+    pipeline's audit directory; ``None``: only a pre-schema-4 log's own decisions); thread-safe.
 
     Several processes may open the same file (WAL allows concurrent readers and one writer; writers wait
     up to ``busy_timeout_s``). Every write is one ``BEGIN IMMEDIATE`` ... ``COMMIT`` transaction.
@@ -231,6 +228,7 @@ class FeedbackLog:
         self,
         path: Path,
         *,
+        audit: Path | None = None,
         retention_s: float = 7 * 24 * 3600,
         clock: Callable[[], float] = time.time,
         busy_timeout_s: float = 5.0,
@@ -241,6 +239,9 @@ class FeedbackLog:
         self.retention_s = float(retention_s)
         self._clock = clock
         self._lock = threading.Lock()
+        self.decisions = DecisionLookup(audit) if audit is not None else None
+        self._legacy = False
+        """Whether the file has the ``decisions`` table of schema 1-3 (read-only)."""
         # Each write below opens its own transaction explicitly; FULL: fsync the WAL on every commit.
         self._db = open_wal(self.path, busy_timeout_s=busy_timeout_s, synchronous="FULL")
         try:
@@ -250,8 +251,6 @@ class FeedbackLog:
             raise
 
     def _configure(self) -> None:
-        db = self._db
-        db.execute("PRAGMA foreign_keys = ON")
         if self.pragma("synchronous") != 2:  # 2 == FULL: fsync the WAL on every commit
             raise ConfigError(f"{self.path}: SQLite did not accept synchronous=FULL")
         with self._write() as cur:  # schema and its version in one transaction: racing openers agree
@@ -264,8 +263,11 @@ class FeedbackLog:
                     cur.execute(statement)
                 return
             found = rows[0][0] if len(rows) == 1 else None
+            legacy = _table_exists(cur, "decisions")
             while found in _MIGRATIONS:  # older files are upgraded in the same transaction
                 for statement in _MIGRATIONS[found]:
+                    if "decisions" in statement and not legacy:
+                        continue  # a file that never held a decision (this schema no longer makes the table)
                     if not _column_exists(cur, statement):  # a table the schema just created has it
                         cur.execute(statement)
                 found += 1
@@ -276,6 +278,7 @@ class FeedbackLog:
                 )
             for statement in _INDEXES:
                 cur.execute(statement)
+            self._legacy = _table_exists(cur, "decisions")
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -303,6 +306,8 @@ class FeedbackLog:
         """Close the connection (the last one to close checkpoints the WAL into the main file)."""
         with self._lock:
             self._db.close()
+        if self.decisions is not None:
+            self.decisions.close()
 
     def __enter__(self) -> FeedbackLog:
         return self
@@ -313,84 +318,6 @@ class FeedbackLog:
         self.close()
 
     # -- decisions and feedback -------------------------------------------------------------------
-
-    def record_decision(
-        self,
-        decision_id: str,
-        pipeline: str,
-        model_version: str,
-        features: NDArray[np.float32],
-        columns: Sequence[str],
-        request_id: str = "",
-    ) -> None:
-        """Keep what the model saw for one decision, so later feedback can be joined to it.
-
-        Idempotent on ``decision_id``: recording the same decision again is a no-op.
-
-        Raises:
-            InvalidInput: empty ids, features that are not a 1-D float32 row matching ``columns``.
-            Conflict: ``decision_id`` was already recorded with a different payload.
-        """
-        record = DecisionRecord(decision_id, pipeline, model_version, features, tuple(columns), request_id)
-        conflicts = self.record_decisions([record])
-        if conflicts:
-            raise Conflict(f"decision '{decision_id}' was already recorded with a different payload")
-
-    def record_decisions(self, records: Sequence[DecisionRecord]) -> list[str]:
-        """Keep many decisions in ONE commit (one fsync); return the decision ids that were already
-        recorded with another payload (kept as first recorded: a retried Decide cannot rewrite history).
-
-        Raises:
-            InvalidInput: a record with empty ids or features that do not match its columns; nothing
-                of the batch is written then.
-        """
-        rows = [self._decision_row(record) for record in records]  # validate all before writing any
-        now = self._clock()
-        conflicts = []
-        with self._write() as cur:
-            for row in rows:
-                cur.execute(
-                    "INSERT OR IGNORE INTO decisions"
-                    " (request_id, pipeline, model_version, features, columns, caller_id, decided_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (*row, now),
-                )
-                if cur.rowcount == 0:
-                    kept = cur.execute(
-                        "SELECT pipeline, model_version, features, columns, caller_id FROM decisions"
-                        " WHERE request_id = ?",
-                        (row[0],),
-                    ).fetchone()
-                    if tuple(kept) != row[1:]:
-                        conflicts.append(row[0])
-        return conflicts
-
-    @staticmethod
-    def _decision_row(record: DecisionRecord) -> tuple[str, str, str, bytes, str, str]:
-        _require_text(record.decision_id, "decision_id")
-        _require_text(record.request_id, "request_id")
-        _require_text(record.pipeline, "pipeline")
-        _require_text(record.model_version, "model_version")
-        features = record.features
-        if not isinstance(features, np.ndarray) or features.dtype != np.float32 or features.ndim != 1:
-            raise InvalidInput("must be a 1-D float32 numpy array", field="features")
-        names = list(record.columns)
-        if len(names) != features.shape[0] or len(set(names)) != len(names):
-            raise InvalidInput(
-                f"{features.shape[0]} features need as many distinct column names, got {names}",
-                field="columns",
-            )
-        for name in names:
-            _require_text(name, "columns")
-        blob = np.ascontiguousarray(features, dtype="<f4").tobytes()
-        return (
-            record.decision_id,
-            record.pipeline,
-            record.model_version,
-            blob,
-            json.dumps(names),
-            record.request_id,
-        )
 
     def seen(self, feedback_id: str) -> bool:
         """Whether ``feedback_id`` is already in the log (a retry is answered without rate limiting)."""
@@ -439,8 +366,7 @@ class FeedbackLog:
         named = decision_id or request_id
         with self._write() as cur:
             seen = cur.execute(
-                "SELECT f.seq, f.request_id, f.label, d.caller_id FROM feedback AS f"
-                " LEFT JOIN decisions AS d ON d.request_id = f.request_id WHERE f.feedback_id = ?",
+                "SELECT seq, request_id, label, caller_id FROM feedback WHERE feedback_id = ?",
                 (feedback_id,),
             ).fetchone()
             if seen is not None:
@@ -450,13 +376,11 @@ class FeedbackLog:
                         f"feedback '{feedback_id}' was recorded for decision '{seen[1]}' with label {seen[2]}"
                     )
                 return FeedbackAck(accepted=True, duplicate=True, seq=int(seen[0]))
-            key = decision_id or self._decision_of(cur, request_id)
-            decided = cur.execute(
-                "SELECT decided_at, caller_id FROM decisions WHERE request_id = ?", (key,)
-            ).fetchone()
-            if decided is None or decided[0] < now - self.retention_s:
+            decided = self._find(cur, decision_id) if decision_id else self._decision_of(cur, request_id)
+            if decided is None or decided.decided_at < now - self.retention_s:
                 raise NotFound(f"no decision '{named}' is kept (never recorded or past retention)")
-            if decision_id and request_id and request_id not in (decided[1], key):
+            key = decided.decision_id
+            if decision_id and request_id and request_id not in (decided.request_id, key):
                 raise InvalidInput(
                     f"decision '{decision_id}' was not made for request '{request_id}'", field="request_id"
                 )
@@ -470,29 +394,61 @@ class FeedbackLog:
                     )
                 return FeedbackAck(accepted=True, duplicate=True, seq=int(first[0]))
             cur.execute(
-                "INSERT INTO feedback (feedback_id, request_id, label, source, received_at)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (feedback_id, key, value, source, now),
+                "INSERT INTO feedback"
+                " (feedback_id, request_id, label, source, received_at, caller_id, decided_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (feedback_id, key, value, source, now, decided.request_id, decided.decided_at),
             )
             seq = cur.lastrowid
         assert seq is not None
         return FeedbackAck(accepted=True, duplicate=False, seq=int(seq))
 
-    @staticmethod
-    def _decision_of(cur: sqlite3.Cursor, request_id: str) -> str:
+    def _find(self, cur: sqlite3.Cursor, decision_id: str) -> DecisionRef | None:
+        """The decision with this id: in the audit trail, else in the log's own pre-schema-4 table."""
+        found = self.decisions.find(decision_id) if self.decisions is not None else None
+        if found is None and self._legacy:
+            row = cur.execute(
+                "SELECT request_id, decided_at, caller_id FROM decisions WHERE request_id = ?", (decision_id,)
+            ).fetchone()
+            if row is not None:
+                found = DecisionRef(str(row[0]), float(row[1]), str(row[2] or row[0]))
+        return found
+
+    def _decision_of(self, cur: sqlite3.Cursor, request_id: str) -> DecisionRef:
         """The one decision whose caller's request_id is ``request_id`` (an older client's label)."""
-        rows = cur.execute(
-            "SELECT request_id FROM decisions WHERE caller_id = ? LIMIT 2", (request_id,)
-        ).fetchall()
-        if not rows:
+        found = {r.decision_id: r for r in (self.decisions.by_request(request_id) if self.decisions else [])}
+        if len(found) < 2 and self._legacy:
+            for row in cur.execute(
+                "SELECT request_id, decided_at, caller_id FROM decisions WHERE caller_id = ? LIMIT 2",
+                (request_id,),
+            ):
+                found.setdefault(str(row[0]), DecisionRef(str(row[0]), float(row[1]), str(row[2])))
+        if not found:
             raise NotFound(f"no decision '{request_id}' is kept (never recorded or past retention)")
-        if len(rows) > 1:
+        if len(found) > 1:
             raise InvalidInput(
                 f"request_id '{request_id}' names several decisions; send the decision_id the Decide "
                 "answer gave",
                 field="decision_id",
             )
-        return str(rows[0][0])
+        return next(iter(found.values()))
+
+    def _rows(self, decision_ids: Sequence[str]) -> dict[str, FeatureRow]:
+        """The feature row of each decision: from the audit trail, else the log's pre-schema-4 table."""
+        rows = self.decisions.rows(decision_ids) if self.decisions is not None else {}
+        missing = [i for i in dict.fromkeys(decision_ids) if i not in rows]
+        if missing and self._legacy:
+            with self._lock:
+                for start in range(0, len(missing), 500):
+                    chunk = missing[start : start + 500]
+                    marks = ",".join("?" * len(chunk))
+                    for decision_id, blob, layout in self._db.execute(
+                        f"SELECT request_id, features, columns FROM decisions WHERE request_id IN ({marks})",
+                        chunk,
+                    ):
+                        values = np.frombuffer(blob, dtype="<f4").astype(np.float64).tolist()
+                        rows[str(decision_id)] = FeatureRow(tuple(json.loads(layout)), values)
+        return rows
 
     # -- learners ---------------------------------------------------------------------------------
 
@@ -555,22 +511,33 @@ class FeedbackLog:
 
     def holdout_window(self, model: str, columns: Sequence[str], limit: int) -> Window:
         """The ``limit`` most recent labels held out for ``model`` whose decisions have ``columns``."""
-        layout = json.dumps(list(columns))
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT f.seq, f.label, d.features FROM holdout AS h"
-                " JOIN feedback AS f ON f.seq = h.seq JOIN decisions AS d ON d.request_id = f.request_id"
-                " WHERE h.model = ? AND d.columns = ? ORDER BY h.seq DESC LIMIT ?",
-                (model, layout, limit),
-            ).fetchall()
-        rows.reverse()
-        x = np.empty((len(rows), len(columns)), dtype=np.float32)
-        for i, r in enumerate(rows):
-            x[i] = np.frombuffer(r[2], dtype="<f4")
+        wanted = tuple(columns)
+        picked: list[tuple[int, int, FeatureRow]] = []
+        before = None
+        while len(picked) < limit:  # most recent first, a page at a time, until enough have the columns
+            with self._lock:
+                rows = self._db.execute(
+                    "SELECT f.seq, f.label, f.request_id FROM holdout AS h"
+                    " JOIN feedback AS f ON f.seq = h.seq WHERE h.model = ? AND (? IS NULL OR h.seq < ?)"
+                    " ORDER BY h.seq DESC LIMIT ?",
+                    (model, before, before, limit),
+                ).fetchall()
+            if not rows:
+                break
+            found = self._rows([str(r[2]) for r in rows])
+            for seq, label, decision_id in rows:
+                row = found.get(decision_id)
+                if row is not None and row.columns == wanted and len(picked) < limit:
+                    picked.append((int(seq), int(label), row))
+            before = int(rows[-1][0])
+        picked.reverse()
+        x = np.empty((len(picked), len(wanted)), dtype=np.float32)
+        for i, (_, _, row) in enumerate(picked):
+            x[i] = row.values
         return Window(
-            seqs=np.array([r[0] for r in rows], dtype=np.int64),
+            seqs=np.array([p[0] for p in picked], dtype=np.int64),
             x=x,
-            y=np.array([r[1] for r in rows], dtype=np.int64),
+            y=np.array([p[1] for p in picked], dtype=np.int64),
         )
 
     def batch_reports(self, model: str) -> list[dict[str, Any]]:
@@ -595,7 +562,9 @@ class FeedbackLog:
         """Up to ``limit`` labels after ``model``'s cursor with their decision features, in seq order.
 
         A batch never mixes feature layouts: it stops before the first label whose decision has other
-        columns than the first one, and the next batch starts there.
+        columns than the first one, and the next batch starts there. A label whose decision's row cannot
+        be found any more (its audit record was purged or removed) is skipped: the batch accounts for it
+        (``covered_seq``, ``unjoined``) so the cursor moves past it.
         """
         _require_text(model, "model")
         if not isinstance(limit, int) or limit < 1:
@@ -607,31 +576,50 @@ class FeedbackLog:
                 row = self._db.execute("SELECT last_seq FROM cursor WHERE model = ?", (model,)).fetchone()
                 after = 0 if row is None else int(row[0])
                 rows = self._db.execute(
-                    "SELECT f.seq, f.feedback_id, f.label, d.features, d.columns, f.received_at"
-                    " FROM feedback AS f"
-                    " JOIN decisions AS d ON d.request_id = f.request_id"
-                    " WHERE f.seq > ? ORDER BY f.seq LIMIT ?",
+                    "SELECT seq, feedback_id, label, request_id, received_at FROM feedback"
+                    " WHERE seq > ? ORDER BY seq LIMIT ?",
                     (after, limit),
                 ).fetchall()
             finally:
                 self._db.execute("COMMIT")
-        if not rows:
+        found = self._rows([str(r[3]) for r in rows])
+        kept: list[tuple[int, str, int, float, FeatureRow]] = []
+        unjoined: list[str] = []
+        covered = after
+        for seq, feedback_id, label, decision_id, received_at in rows:
+            features = found.get(decision_id)
+            if features is None:
+                unjoined.append(feedback_id)
+            elif kept and features.columns != kept[0][4].columns:
+                break
+            else:
+                kept.append((int(seq), feedback_id, int(label), float(received_at), features))
+            covered = int(seq)
+        if not kept:
             return Batch(
-                after, np.empty(0, np.int64), np.empty((0, 0), np.float32), np.empty(0, np.int64), (), ()
+                after,
+                np.empty(0, np.int64),
+                np.empty((0, 0), np.float32),
+                np.empty(0, np.int64),
+                (),
+                (),
+                covered_seq=covered,
+                unjoined=tuple(unjoined),
             )
-        layout = rows[0][4]
-        rows = list(itertools.takewhile(lambda r: r[4] == layout, rows))
-        x = np.empty((len(rows), len(json.loads(layout))), dtype=np.float32)
-        for i, r in enumerate(rows):
-            x[i] = np.frombuffer(r[3], dtype="<f4")
+        columns = kept[0][4].columns
+        x = np.empty((len(kept), len(columns)), dtype=np.float32)
+        for i, k in enumerate(kept):
+            x[i] = k[4].values
         return Batch(
             after_seq=after,
-            seqs=np.array([r[0] for r in rows], dtype=np.int64),
+            seqs=np.array([k[0] for k in kept], dtype=np.int64),
             x=x,
-            y=np.array([r[2] for r in rows], dtype=np.int64),
-            feedback_ids=tuple(r[1] for r in rows),
-            columns=tuple(json.loads(layout)),
-            first_received_at=float(rows[0][5]),
+            y=np.array([k[2] for k in kept], dtype=np.int64),
+            feedback_ids=tuple(k[1] for k in kept),
+            columns=columns,
+            first_received_at=kept[0][3],
+            covered_seq=covered,
+            unjoined=tuple(unjoined),
         )
 
     def mark_applied(
@@ -710,24 +698,30 @@ class FeedbackLog:
         return Cursor(model, int(row[0]), row[1], row[2], row[3], row[4] or "")
 
     def purge_expired(self) -> int:
-        """Delete decisions past retention whose labels every known model has applied; return how many.
+        """Delete labels of decisions past retention that every known model has applied (and a
+        pre-schema-4 log's decisions past retention with no label left to apply); return how many labels.
 
-        A decision with a label above the lowest cursor is kept (its features are still needed), and
-        with no known model every decision with feedback is kept. Its feedback rows go with it.
+        With no known model nothing with a label is deleted.
         """
         cutoff = self._clock() - self.retention_s
         with self._write() as cur:
             low = cur.execute("SELECT MIN(last_seq) FROM cursor").fetchone()[0]
             floor = 0 if low is None else int(low)
-            doomed = (
-                "SELECT d.request_id FROM decisions AS d WHERE d.decided_at < ? AND NOT EXISTS"
-                " (SELECT 1 FROM feedback AS f WHERE f.request_id = d.request_id AND f.seq > ?)"
-            )
-            cur.execute(f"DELETE FROM feedback WHERE request_id IN ({doomed})", (cutoff, floor))
-            cur.execute(f"DELETE FROM decisions WHERE request_id IN ({doomed})", (cutoff, floor))
+            cur.execute("DELETE FROM feedback WHERE decided_at < ? AND seq <= ?", (cutoff, floor))
             purged = int(cur.rowcount)
+            if self._legacy:
+                cur.execute(
+                    "DELETE FROM decisions WHERE decided_at < ? AND NOT EXISTS (SELECT 1 FROM feedback AS f"
+                    " WHERE f.request_id = decisions.request_id AND f.seq > ?)",
+                    (cutoff, floor),
+                )
             cur.execute("DELETE FROM holdout WHERE seq NOT IN (SELECT seq FROM feedback)")
             return purged
+
+
+def _table_exists(cur: sqlite3.Cursor, name: str) -> bool:
+    row = cur.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone()
+    return row is not None
 
 
 def _column_exists(cur: sqlite3.Cursor, statement: str) -> bool:

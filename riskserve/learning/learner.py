@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import math
 import os
 import shutil
@@ -71,6 +72,8 @@ __all__ = [
     "log_loss",
     "train_step",
 ]
+
+logger = logging.getLogger(__name__)
 
 BatchOutcome = Literal["applied", "reverted", "held_out", "paused"]
 
@@ -282,7 +285,18 @@ class OnlineLearner:
             raise ModelLoadError(f"model '{self.model}': no version adopted yet; nothing to train from")
         baseline = self.baseline(cursor, parent)
         batch = self.log.pending(self.model, limit=self.settings.batch_size)
-        if len(batch) == 0 or not (force or self.due(batch)):
+        if len(batch) == 0:
+            if batch.last_seq > batch.after_seq and cursor.version is not None:  # only skipped labels
+                self.log.mark_applied(
+                    self.model,
+                    batch.last_seq,
+                    cursor.version,
+                    expected_last_seq=batch.after_seq,
+                    artifact=cursor.artifact,
+                )
+                self._skipped(batch)
+            return None
+        if not (force or self.due(batch)):
             return None
         report, holdout_seqs = self._judge(parent, batch, baseline)
         if report.outcome == "paused":
@@ -297,9 +311,20 @@ class OnlineLearner:
             holdout_seqs=holdout_seqs,
             report=report.model_dump(mode="json"),
         )
+        self._skipped(batch)
         if report.changed:
             self._prune(keep={report.version, parent.version, baseline.version})
         return report
+
+    def _skipped(self, batch: Batch) -> None:
+        """Log the labels a batch moved past without a row to train on."""
+        if batch.unjoined:
+            logger.warning(
+                "model '%s': %d labels skipped, their decisions' audit records are gone: %s",
+                self.model,
+                len(batch.unjoined),
+                ", ".join(batch.unjoined[:5]),
+            )
 
     def _judge(
         self, parent: LearnedVersion, batch: Batch, baseline: LearnedVersion

@@ -1,8 +1,11 @@
 """The feedback service: one Serve deployment per pipeline that owns its feedback log and learners.
 
-It is the only process that opens the SQLite file (so the ingress replicas may run on any node), it
-admits labels (:class:`~riskserve.learning.admission.LabelAdmission`: rate limits per source and for all
-sources, one label per decision, then a durable commit before the answer), and a background thread
+It is the only process that writes the SQLite file, and it reads the decisions the labels name from the
+pipeline's audit trail (the ingress replicas' slot files, read-only: the log keeps no copy of them; the
+feedback service and the ingress replicas therefore share a file system, as they did for the old crash
+journal of decisions). It admits labels (:class:`~riskserve.learning.admission.LabelAdmission`: rate
+limits per source and for all sources, one label per decision, then a durable commit before the
+answer), and a background thread
 runs each online model's :class:`~riskserve.learning.learner.OnlineLearner` and publishes every new
 version to **all** replicas of the model at once, through the model deployment's Serve ``user_config``
 (the same path as a hot swap). The cursor in the log names the version that should serve; whenever the
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from riskserve.learning.admission import LabelAdmission
-from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
+from riskserve.learning.feedback_log import FeedbackLog
 from riskserve.learning.learner import BatchReport, OnlineLearner, load_version
 from riskserve.learning.rate_limit import SourceRateLimiter
 from riskserve.operations.publish import AppBuilder, publish_checked
@@ -53,7 +56,7 @@ ERROR_BACKOFF_S = 2.0
 
 
 class FeedbackService:
-    """Serve deployment: ``record_decisions``, ``record_feedback``, ``status``; learns in a thread."""
+    """Serve deployment: ``record_feedback``, ``status``; learns in a thread."""
 
     def __init__(
         self,
@@ -75,7 +78,9 @@ class FeedbackService:
             raise ConfigError(f"pipeline '{self._spec.name}' has no feedback section")
         path = self._spec.feedback_log_path()
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = FeedbackLog(path, retention_s=feedback.retention_hours * 3600)
+        self._log = FeedbackLog(
+            path, audit=self._spec.audit_dir(), retention_s=feedback.retention_hours * 3600
+        )
         limiter = SourceRateLimiter(
             feedback.source_rate_per_s,
             feedback.source_burst,
@@ -110,13 +115,6 @@ class FeedbackService:
         self._thread.start()
 
     # -- called by the ingress ------------------------------------------------------------------------
-
-    async def record_decisions(self, records: list[DecisionRecord]) -> int:
-        """Keep decisions (one commit); returns how many were new or unchanged."""
-        conflicts = await asyncio.to_thread(self._log.record_decisions, records)
-        if conflicts:
-            logger.warning("%d decisions were already recorded with another payload", len(conflicts))
-        return len(records) - len(conflicts)
 
     async def record_feedback(
         self, request_id: str, label: int, feedback_id: str, source: str, decision_id: str = ""

@@ -94,7 +94,6 @@ __all__ = [
     "BATCH_ROWS_BUCKETS",
     "BREAKER_STATE_VALUES",
     "DECISIONS",
-    "DECISIONS_UNRECORDED",
     "DECISION_LATENCY",
     "DEFAULT_METRICS_EXPORT_PORT",
     "EXPORT_PREFIX",
@@ -343,13 +342,6 @@ SHADOW_FIGURE: Final = MetricSpec(
     (*_SHADOW_TAGS, "figure"),
 )
 
-DECISIONS_UNRECORDED: Final = MetricSpec(
-    "riskserve_decisions_unrecorded",
-    "counter",
-    "Decisions an ingress replica could not keep for the feedback log (its buffer was full while the "
-    "feedback service was unreachable): a label for one of them is NOT_FOUND.",
-    ("pipeline",),
-)
 LABELS_REFUSED: Final = MetricSpec(
     "riskserve_labels_refused",
     "counter",
@@ -393,7 +385,6 @@ ALL_METRICS: Final[tuple[MetricSpec, ...]] = (
     REFUSED_CALLS,
     DECISION_LATENCY,
     FEATURE_LATENCY,
-    DECISIONS_UNRECORDED,
     LABELS_REFUSED,
     LEARNING_PAUSED,
     LEARNING_DRIFT,
@@ -931,10 +922,6 @@ class LearningMetrics:
         if reason not in LABEL_REFUSALS:
             raise ValueError(f"unknown refusal {reason!r}; expected one of {list(LABEL_REFUSALS)}")
         _registry().inc(LABELS_REFUSED, {"pipeline": self.pipeline, "reason": reason})
-
-    def unrecorded(self, count: int) -> None:
-        """``count`` decisions dropped before they reached the feedback log (recorded by an ingress)."""
-        _registry().inc(DECISIONS_UNRECORDED, {"pipeline": self.pipeline}, float(count))
 
     def learning_state(self, model: str, *, paused: bool, drift: float) -> None:
         """Whether ``model``'s learning is paused, and its serving version's drift from the baseline."""

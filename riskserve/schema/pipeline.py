@@ -140,12 +140,13 @@ class SigningSpec(_Strict):
 
 
 class FeedbackSpec(_Strict):
-    """Where the pipeline keeps decisions and labels for online learning, and how labels are admitted."""
+    """Where the pipeline keeps labels for online learning, and how labels are admitted. The decisions
+    they label are the audit trail's records (the pipeline needs an enabled ``audit`` section)."""
 
     log_path: Path
     """The SQLite feedback log (WAL mode, fsync per commit); a relative path is relative to the YAML."""
     retention_hours: float = Field(default=168, gt=0)
-    """How long a decision's features are kept for a label to be joined to them."""
+    """How long after a decision a label for it is taken (joined to its audit record)."""
     source_rate_per_s: float = Field(default=50, gt=0)
     """Labels per second one source (the caller's identity when the front door authenticates, else
     ``FeedbackRequest.source``) may send, on average."""
@@ -155,11 +156,6 @@ class FeedbackSpec(_Strict):
     """Labels per second ALL sources together may send: inventing sources does not buy more labels."""
     total_burst: int = Field(default=2000, ge=1)
     """Labels all sources together may send at once before ``total_rate_per_s`` applies."""
-    flush_ms: float = Field(default=50, gt=0, le=10_000)
-    """Decisions are buffered in the ingress and written to the log in one commit this often."""
-    buffer_rows: int = Field(default=100_000, ge=1)
-    """Decisions an ingress replica keeps while the log is unreachable; past it new ones are refused and
-    counted (``riskserve_decisions_unrecorded``), never one already kept."""
     pool: str | None = None
     """Pool of the feedback service (one replica: it owns the log); default: the first pool."""
     num_cpus: float = Field(default=0.25, ge=0)
@@ -631,6 +627,18 @@ def _reference_errors(spec: PipelineSpec) -> list[str]:
     for where, pool in stage_pools.items():
         if pool is not None and pool not in spec.pools:
             errors.append(f"{where}: unknown pool '{pool}' (pools: {', '.join(spec.pools)})")
+    if spec.feedback is not None:
+        if spec.audit is None or not spec.audit.enabled:
+            errors.append(
+                "audit: a pipeline with 'feedback' needs an enabled audit trail (labels are joined to its "
+                "records; the feedback log keeps no copy of the decisions)"
+            )
+        elif spec.audit.retention_days * 24 < spec.feedback.retention_hours:
+            errors.append(
+                f"audit.retention_days: {spec.audit.retention_days:g} days is shorter than "
+                f"feedback.retention_hours ({spec.feedback.retention_hours:g} h): a label would find no "
+                "decision"
+            )
     columns = set(spec.features.column_names())
     for name, model in spec.models.items():
         where = f"models.{name}"

@@ -2,13 +2,18 @@
 
 A record is built from what the decision answered (the same objects the response is built from), so the
 trail says exactly what the caller was told: scores, versions, fallbacks, fired rules, reasons, outcome,
-trace id, and the input fields as the caller sent them.
+trace id, and the input fields as the caller sent them. In a pipeline that learns online (``feedback``) a
+record also keeps the encoded row the models saw and its column layout: the feedback log joins labels to
+these records, it keeps no copy of the decisions.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+from numpy.typing import NDArray
 
 from riskserve.audit.store import AuditRecord
 from riskserve.audit.writer import AuditWriter
@@ -38,6 +43,8 @@ def audit_writer(spec: PipelineSpec) -> AuditWriter | None:
         purge_rows=audit.purge_rows,
         on_count=metrics.records,
     )
+    if spec.feedback is not None:
+        writer.layout(spec.features.column_names())  # kept in the slot before any record names it
     return writer.start()
 
 
@@ -70,9 +77,13 @@ def audit_records(
     decided: Sequence[tuple[Decision, Mapping[str, ModelResult]]],
     reasons: Mapping[int, Sequence[Reason]],
     trace_id: str,
+    rows: NDArray[np.float32] | None = None,
+    layout: str = "",
 ) -> list[AuditRecord]:
-    """One record per decision of a batch, in the batch's order."""
+    """One record per decision of a batch, in the batch's order. ``rows`` (the encoded matrix) and
+    ``layout`` (its columns' digest, :meth:`AuditWriter.layout`): kept with each record when given."""
     now = time.time()
+    values = rows.tolist() if rows is not None and layout else None  # float32 -> exact doubles
     names = list(spec.models)
     fired = _fired_rules(spec)
     records: list[AuditRecord] = []
@@ -118,4 +129,7 @@ def audit_records(
                 ],
             }
         )
+        if values is not None:
+            records[-1]["features"] = values[i]
+            records[-1]["layout"] = layout
     return records

@@ -5,8 +5,9 @@ model. Models in their own deployments are started first, so their hops overlap 
 in process; a small batch's in-ingress models then run as plain function calls on the event loop, a large
 batch's in a worker thread. The rules follow, then the reason codes of the decisions whose outcome the
 pipeline explains (none for the others), then the responses. After the answer is built, the batch's
-records are handed to the audit writer (with write-ahead: on the journal before the answer leaves), its
-decisions are buffered for the feedback log and a sample is handed to any shadow candidate.
+records are handed to the audit writer (with write-ahead: on the journal before the answer leaves; in a
+pipeline that learns online with the encoded rows, which the feedback log joins labels to) and a sample
+is handed to any shadow candidate.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any
 
 from riskserve.audit.writer import AuditWriter
 from riskserve.features.stage import FeatureStage, StageResult
-from riskserve.learning.recorder import DecisionRecorder
 from riskserve.platform.errors import DeadlineExceeded, InlineBusy
 from riskserve.platform.metrics import PipelineMetrics
 from riskserve.platform.tracing import SPAN_DECISION, inject, optional_span
@@ -31,7 +31,6 @@ from riskserve.serving.guarded_call import GuardedModel
 from riskserve.serving.ids import new_ids
 from riskserve.serving.messages import decide_response, raw_request
 from riskserve.serving.reasons import Reason, ReasonExplainer
-from riskserve.serving.recording import record_decisions
 from riskserve.serving.shadow import Shadows
 
 __all__ = ["DecisionFlow"]
@@ -49,7 +48,6 @@ class DecisionFlow:
         models: dict[str, GuardedModel],
         local_stage: FeatureStage | None,
         stage_handle: Any = None,
-        recorder: DecisionRecorder | None = None,
         explainer: ReasonExplainer | None = None,
         shadows: Shadows | None = None,
         audit: AuditWriter | None = None,
@@ -57,13 +55,12 @@ class DecisionFlow:
         """``local_stage``: encode in this process; else ``stage_handle``, the feature-stage deployment;
         ``explainer``: reason codes for the outcomes the pipeline explains; ``shadows``: candidates that
         score a sample of the answered decisions off the request path; ``audit``: the replica's audit
-        writer (every decision is kept)."""
+        writer (every decision is kept; with the encoded rows when the pipeline learns online)."""
         self.spec = spec
         self.models = models
         self._names = list(spec.models)
         self._local_stage = local_stage
         self._stage_handle = stage_handle
-        self.recorder = recorder
         self.explainer = explainer
         self.shadows = shadows
         self.audit = audit
@@ -71,6 +68,8 @@ class DecisionFlow:
         self._engine = spec.decision_engine()
         self._inline_rows = spec.serving.inline_rows
         self._any_in_process = any(m.spec.in_ingress for m in models.values())
+        self._keeps_rows = audit is not None and spec.feedback is not None
+        """Audit records carry the encoded rows (the feedback log's learners train on them)."""
 
     async def decide(
         self, requests: Sequence[pb.DecideRequest], trace_id: str, deadline: float, traced: bool
@@ -133,14 +132,22 @@ class DecisionFlow:
                     decided=decided,
                     reasons=reasons,
                     trace_id=trace_id,
+                    **self._rows(stage),
                 )
             )
-        if self.recorder is not None:
-            record_decisions(self.recorder, self.spec.name, decision_ids, ids, stage, per_model)
         if self.shadows is not None and self.shadows.active:
             self.shadows.offer(stage, decision_ids, decided)  # labels join them by decision id
         self.metrics.decision_latency(time.perf_counter() - started)
         return responses
+
+    def _rows(self, stage: StageResult) -> dict[str, Any]:
+        """The encoded rows and their layout for the audit records, when they keep them."""
+        if not self._keeps_rows or self.audit is None:
+            return {}
+        if stage.matrix is None:
+            logger.error("the feature stage returned no matrix; these records keep no rows to learn from")
+            return {}
+        return {"rows": stage.matrix, "layout": self.audit.layout(stage.columns)}
 
     async def _reasons(
         self, stage: StageResult, decided: list[tuple[Decision, dict[str, ModelResult]]]
@@ -180,7 +187,7 @@ class DecisionFlow:
                 return self._local_stage.encode(raw, trace, share=False)
             return await asyncio.to_thread(self._local_stage.encode, raw, trace, True, share=False)
         # Reason codes come from models in this process only, so they need the matrix only with such a model.
-        keep = self.recorder is not None or self._any_in_process
+        keep = self._keeps_rows or self._any_in_process
         call = self._stage_handle.encode.remote(raw, trace=trace or inject(), keep_matrix=keep)
         try:
             result: StageResult = await asyncio.wait_for(call, timeout=max(deadline - time.monotonic(), 0.0))

@@ -18,10 +18,8 @@ import grpc
 
 from riskserve.audit.writer import AuditCounts
 from riskserve.features.stage import FeatureStage
-from riskserve.learning.journal import DecisionJournal, journal_dir
-from riskserve.learning.recorder import DecisionRecorder
 from riskserve.platform.errors import InvalidInput, ModelUnavailable, NotFound, RiskServeError
-from riskserve.platform.metrics import LearningMetrics, PipelineMetrics
+from riskserve.platform.metrics import PipelineMetrics
 from riskserve.platform.runner import CandidateReport, ModelRunner, ModelStatus
 from riskserve.platform.tracing import configure_tracing
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
@@ -46,7 +44,7 @@ HEALTH_REFRESH_S = 1.0
 """How often the ingress asks its remote models whether they are ready (health answers from this)."""
 HEALTH_PROBE_TIMEOUT_S = 1.0
 FEEDBACK_FLUSH_TIMEOUT_S = 5.0
-"""How long ``Feedback`` waits for this replica's buffered decisions to reach the log."""
+"""How long ``Feedback`` waits for this replica's buffered audit records to reach its audit store."""
 
 
 class PipelineIngress:
@@ -92,16 +90,6 @@ class PipelineIngress:
                 endpoint = RemoteEndpoint(handle, model.reads_text, sharer, lanes)
             guarded[name] = GuardedModel.build(name, model, endpoint)
         self._feedback = feedback
-        recorder = None
-        if feedback is not None and self._spec.feedback is not None:
-            recorder = DecisionRecorder(
-                lambda records: feedback.record_decisions.remote(records),
-                flush_s=self._spec.feedback.flush_ms / 1e3,
-                max_rows=self._spec.feedback.buffer_rows,
-                journal=DecisionJournal(journal_dir(self._spec.feedback_log_path())),
-                on_drop=LearningMetrics(self._spec.name).unrecorded,
-            )
-            recorder.adopt()  # what replicas that died before this one had not sent yet
         local_stage = None
         if serving.feature_stage == "ingress":
             local_stage = FeatureStage(spec["features"], spec.get("tracing"), serving.matrix_retain_s)
@@ -113,7 +101,6 @@ class PipelineIngress:
             models=guarded,
             local_stage=local_stage,
             stage_handle=features,
-            recorder=recorder,
             explainer=explainer,
             shadows=self._shadows,
             audit=self._audit,
@@ -258,18 +245,19 @@ class PipelineIngress:
         or all sources over their rate (RESOURCE_EXHAUSTED), the log unreachable (UNAVAILABLE),
         no feedback in this pipeline (UNIMPLEMENTED).
         """
-        recorder = self._flow.recorder
-        if self._feedback is None or recorder is None:
+        audit = self._audit
+        if self._feedback is None or audit is None:
             raise _Unimplemented(
                 f"pipeline '{self.name}' keeps no feedback (its YAML has no 'feedback' section)"
             )
         if request.label not in (0, 1):
             raise InvalidInput(f"must be 0 or 1, got {request.label}", field="label")
         source = label_source(request.source, caller)
-        try:  # a label sent right after its decision must find it: send this replica's buffer first
-            await asyncio.wait_for(recorder.flush(), timeout=FEEDBACK_FLUSH_TIMEOUT_S)
-        except Exception as error:
-            raise ModelUnavailable(f"the feedback log is unreachable: {error}") from error
+        # A label sent right after its decision must find it in the audit trail the feedback log joins
+        # labels to: this replica's records submitted so far leave memory first (with write-ahead they are
+        # on its journal already, where the log looks too; this makes the common case an index lookup).
+        if not await asyncio.to_thread(audit.flush_submitted, FEEDBACK_FLUSH_TIMEOUT_S):
+            raise ModelUnavailable("the audit trail did not take this replica's decisions in time; retry")
         try:
             ack = await self._feedback.record_feedback.remote(
                 request.request_id,
@@ -333,11 +321,7 @@ class PipelineIngress:
         """The feedback service's status (cursor, pending labels, batch outcomes per online model)."""
         if self._feedback is None:
             raise InvalidInput(f"pipeline '{self.name}' has no feedback section", field="feedback")
-        recorder = self._flow.recorder
         status: dict[str, Any] = await self._feedback.status.remote()
-        status["decisions_buffered"] = recorder.buffered if recorder else 0
-        status["decisions_dropped"] = recorder.dropped if recorder else 0
-        status["decisions_recovered"] = recorder.recovered if recorder else 0
         return status
 
     def audit_status(self) -> AuditCounts | None:

@@ -107,7 +107,6 @@ class MetricsProbe:
         self.learning = LearningMetrics(APP)  # what the feedback service records
         self.learning.learning_state(FRAUD, paused=False, drift=0.0)
         self.learning.refused("relabel")
-        self.learning.unrecorded(1)  # an ingress whose decision buffer was full
         self.audit = AuditMetrics(APP)  # what each ingress replica's audit writer records
 
     def decide(self, step: dict[str, Any]) -> None:

@@ -57,6 +57,7 @@ def _spec(models: Path) -> PipelineSpec:
         "source_rate_per_s": 0.5,
         "source_burst": 100,
     }
+    data["audit"] = {"path": tempfile.mkdtemp(prefix="audit-")}  # the decisions labels are joined to
     data["serving"] = {
         "decision_timeout_ms": GENEROUS_TIMEOUT_MS,
         "ingress": {"replicas": INGRESS_REPLICAS},

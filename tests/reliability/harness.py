@@ -73,6 +73,7 @@ def pipeline_data(
     }
     data["feedback"] = {"log_path": str(root / "feedback" / "log.sqlite"), "pool": "cpu", "num_cpus": 0,
                         "source_rate_per_s": 1000, "source_burst": 1000}  # fmt: skip
+    data["audit"] = {"path": str(root / "audit")}  # a pipeline with feedback joins labels to its audit trail
     return data
 
 

@@ -1,9 +1,16 @@
-"""A decision record as the flow builds it, for the audit tests (imports nothing heavy: a child process
-of the kill test uses it too)."""
+"""A decision record as the flow builds it, for the audit and feedback-log tests (imports nothing heavy: a
+child process of the kill test uses it too)."""
 
 from __future__ import annotations
 
-from riskserve.audit.store import AuditRecord
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import NDArray
+
+from riskserve.audit.store import AuditRecord, AuditStore
 
 
 def record(i: int, decided_at: float = 1_700_000_000.0) -> AuditRecord:
@@ -52,3 +59,51 @@ def record(i: int, decided_at: float = 1_700_000_000.0) -> AuditRecord:
             }
         ],
     }
+
+
+class DecisionTrail:
+    """Decisions kept the way an ingress replica keeps them for the feedback log: audit records carrying
+    their encoded rows, in one slot's store of an audit directory (what the feedback log joins labels to)."""
+
+    def __init__(
+        self, directory: Path, *, clock: Callable[[], float] = time.time, slot: str = "slot-0"
+    ) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.clock = clock
+        self.store = AuditStore(self.directory / f"{slot}.sqlite")
+
+    def keep(
+        self,
+        decision_id: str,
+        features: NDArray[np.float32],
+        columns: Sequence[str],
+        *,
+        request_id: str = "",
+        decided_at: float | None = None,
+    ) -> None:
+        """Keep one decision (decided now by the trail's clock unless ``decided_at``)."""
+        self.keep_many([(decision_id, features, columns, request_id)], decided_at=decided_at)
+
+    def keep_many(
+        self,
+        decisions: Sequence[tuple[str, NDArray[np.float32], Sequence[str], str]],
+        *,
+        decided_at: float | None = None,
+    ) -> None:
+        """Keep ``(decision_id, features, columns, request_id)`` decisions in one transaction."""
+        when = self.clock() if decided_at is None else decided_at
+        records = []
+        for decision_id, features, columns, request_id in decisions:
+            kept = record(0, when)
+            kept["decision_id"] = decision_id
+            kept["decided_at"] = when
+            kept["request_id"] = request_id or decision_id
+            kept["features"] = np.asarray(features, dtype=np.float32).tolist()
+            kept["layout"] = self.store.add_layout(columns)
+            records.append(kept)
+        self.store.insert(records)
+
+    def close(self) -> None:
+        """Close the slot's store."""
+        self.store.close()

@@ -28,8 +28,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "wrappers": frozenset({"platform"}),
     # what a pipeline is (checks a model's settings with its backend's settings class)
     "schema": frozenset({"features", "wrappers", "platform"}),
-    # online learning as a library: the feedback log, the learner, label admission, the decision recorder
-    "learning": frozenset({"schema", "features", "wrappers", "platform"}),
+    # online learning as a library: the feedback log (labels joined to the audit trail), the learner,
+    # label admission
+    "learning": frozenset({"audit", "schema", "features", "wrappers", "platform"}),
     # the decision audit trail as a library: its store, journal, writer, reader, export
     "audit": frozenset({"platform"}),
     # what happens to one decision

@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import pytest
 
 from riskserve.audit import AuditStore, AuditTrail, AuditWriter
 from riskserve.audit.export import to_table, write_table
+from riskserve.audit.lookup import DecisionLookup
 from riskserve.learning.feedback_log import FeedbackLog
 from riskserve.platform.metrics import AUDIT_RECORDS, AuditMetrics, recorded
 
@@ -100,6 +102,32 @@ def test_every_submitted_record_reaches_the_store_and_the_journal_is_deleted(tmp
     assert stored_ids(tmp_path / "audit") == {f"d{i:06d}" for i in range(1000)}
     assert list((tmp_path / "audit").glob("slot-0.journal/*.jsonl")) == []  # closed cleanly: no replay
     assert stat.S_IMODE((tmp_path / "audit").stat().st_mode) == 0o700
+
+
+def test_flush_submitted_waits_for_what_was_submitted_before_it_not_for_later_records(tmp_path: Path) -> None:
+    writer = AuditWriter(tmp_path / "audit", flush_s=3600, batch_rows=4).start()  # commits only when woken
+    writer.submit([record(i) for i in range(3)])
+    assert writer.store.count() == 0
+    assert writer.flush_submitted(10.0)  # the feedback RPC's wait: the decisions before the label
+    assert writer.store.count() == 3
+    stop = threading.Event()
+
+    def flood() -> None:  # decisions keep arriving while a label waits: it must not wait for them
+        i = 3
+        while not stop.is_set():
+            writer.submit([record(i)])
+            i += 1
+
+    feeder = threading.Thread(target=flood)
+    feeder.start()
+    try:
+        writer.submit([record(10**6)])
+        assert writer.flush_submitted(10.0)
+        assert writer.store.get(record(10**6)["decision_id"]) is not None
+    finally:
+        stop.set()
+        feeder.join()
+        writer.close()
 
 
 def test_every_file_of_the_trail_is_private(tmp_path: Path) -> None:
@@ -293,9 +321,8 @@ def test_export_writes_what_the_records_say_with_labels_joined(tmp_path: Path, f
     with AuditStore(tmp_path / "audit" / "slot-0.sqlite") as store:
         store.insert(records)
     log_path = tmp_path / "feedback.sqlite"
-    with FeedbackLog(log_path) as log:  # the learner's log: labels are joined from it by decision id
-        for i in (3, 4):
-            log.record_decision(f"d{i:06d}", "card_fraud", "{}", np.zeros(2, np.float32), ["a", "b"])
+    # The learner's log: it takes labels for the trail's decisions; the export joins them back by id.
+    with FeedbackLog(log_path, audit=tmp_path / "audit", retention_s=1e10) as log:
         log.record_feedback("", 1, "fb-3", "chargebacks", decision_id="d000003")
         log.record_feedback("", 0, "fb-4", "review", decision_id="d000004")
     trail = AuditTrail(tmp_path / "audit", feedback_log=log_path)
@@ -366,3 +393,29 @@ def test_a_record_names_the_fired_rules_and_keeps_what_the_decision_answered() -
     ]
     assert first["inputs"] == {"numeric": {"amount": 5.0}, "categorical": {"channel": "pos"}, "text": "hi"}
     assert records[1]["top_reasons"] == []
+    assert "features" not in first  # no rows given: a pipeline without feedback keeps none
+
+
+def test_a_record_keeps_the_encoded_row_exactly_with_its_layout(tmp_path: Path) -> None:
+    from riskserve.features.encoder import RawRequest
+    from riskserve.schema.pipeline import load_pipeline
+    from riskserve.schema.rules import Decision, ModelResult
+    from riskserve.serving.auditing import audit_records
+
+    spec = load_pipeline(REPO / "deploy" / "pipelines" / "card_fraud.yaml")
+    columns = spec.features.column_names()
+    matrix = np.random.default_rng(3).normal(size=(2, len(columns))).astype(np.float32)
+    results = {name: ModelResult(name, f"v-{name}", 0.1) for name in spec.models}
+    writer = AuditWriter(tmp_path / "audit")
+    records = audit_records(
+        spec, raw=[RawRequest({}, {}, "")] * 2, request_ids=["a", "b"], decision_ids=["d1", "d2"],
+        decided=[(Decision("APPROVE", 0.1, ["low"]), results)] * 2, reasons={}, trace_id="t" * 32,
+        rows=matrix, layout=writer.layout(columns),
+    )  # fmt: skip
+    writer.submit(records)
+    writer.close()  # not started: commits in this thread
+    rows = DecisionLookup(tmp_path / "audit").rows(["d2", "d1"])
+    assert rows["d1"].columns == tuple(columns)  # the names, from the slot's layouts table
+    # float32 -> JSON -> float32 is exact: what the learner trains on is what the models saw
+    np.testing.assert_array_equal(np.array(rows["d1"].values, np.float32), matrix[0])
+    np.testing.assert_array_equal(np.array(rows["d2"].values, np.float32), matrix[1])

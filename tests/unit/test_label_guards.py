@@ -20,7 +20,7 @@ import pytest
 from riskserve.demo.dataset import FEATURE_NAMES
 from riskserve.demo.tabular import TabularData, make_tabular_data, train_fraud_lr
 from riskserve.learning.admission import LabelAdmission
-from riskserve.learning.feedback_log import DecisionRecord, FeedbackLog
+from riskserve.learning.feedback_log import FeedbackLog
 from riskserve.learning.learner import OnlineLearner, drift_from, is_holdout, load_version, log_loss
 from riskserve.learning.rate_limit import RateLimited, SourceRateLimiter
 from riskserve.platform.errors import AlreadyExists, ConfigError, InvalidInput, NotFound
@@ -30,6 +30,7 @@ from riskserve.schema.pipeline import OnlineLearningSpec
 from riskserve.wrappers.sklearn_model import snapshot_scores
 
 from ..manual_clock import ManualClock
+from .audit_records import DecisionTrail
 
 COLUMNS = tuple(FEATURE_NAMES)
 ROUNDS = 20
@@ -48,13 +49,19 @@ def base_artifact(data: TabularData, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
+def _log(tmp_path: Path, clock: ManualClock | None = None) -> FeedbackLog:
+    """A feedback log joined to the audit trail beside it."""
+    if clock is None:
+        return FeedbackLog(tmp_path / "log.sqlite", audit=tmp_path / "audit")
+    return FeedbackLog(tmp_path / "log.sqlite", audit=tmp_path / "audit", clock=clock)
+
+
 def _decide(log: FeedbackLog, ids: list[str], x: np.ndarray) -> None:
-    log.record_decisions(
-        [
-            DecisionRecord(rid, "card", '{"fraud": "v"}', x[i].astype(np.float32), COLUMNS)
-            for i, rid in enumerate(ids)
-        ]
-    )
+    """Decisions ``ids`` with rows ``x``, kept in the audit trail ``log`` joins labels to."""
+    assert log.decisions is not None
+    trail = DecisionTrail(log.decisions.directory)
+    trail.keep_many([(rid, x[i].astype(np.float32), COLUMNS, "") for i, rid in enumerate(ids)])
+    trail.close()
 
 
 def _admission(log: FeedbackLog, pipeline: str, **limits: float) -> LabelAdmission:
@@ -70,7 +77,7 @@ def _admission(log: FeedbackLog, pipeline: str, **limits: float) -> LabelAdmissi
 
 
 def test_a_decision_takes_one_label_a_flip_is_refused_already_exists_and_counted(tmp_path: Path) -> None:
-    log = FeedbackLog(tmp_path / "log.sqlite")
+    log = _log(tmp_path)
     _decide(log, ["r1"], np.zeros((1, len(COLUMNS))))
     desk = _admission(log, "relabel-test")
     first = desk.admit("r1", 1, "fb-1", "bank")
@@ -139,7 +146,7 @@ def _online(**overrides: object) -> OnlineLearningSpec:
 def test_many_small_flipped_steps_stop_at_the_drift_bound_and_learning_pauses(
     data: TabularData, base_artifact: Path, tmp_path: Path
 ) -> None:
-    log = FeedbackLog(tmp_path / "log.sqlite")
+    log = _log(tmp_path)
     learner = OnlineLearner(log, "fraud", _online(), tmp_path / "learned")
     base = learner.adopt(base_artifact)
     ids = [f"r{i}" for i in range(640)]
@@ -161,10 +168,7 @@ def test_many_small_flipped_steps_stop_at_the_drift_bound_and_learning_pauses(
     assert 0.1 < drift <= 0.2 + 1e-9  # two capped steps, not quite in one direction
     assert learner.step(force=True) is None  # paused stays paused
     assert (
-        OnlineLearner(FeedbackLog(tmp_path / "log.sqlite"), "fraud", _online(), tmp_path / "learned").step(
-            force=True
-        )
-        is None
+        OnlineLearner(_log(tmp_path), "fraud", _online(), tmp_path / "learned").step(force=True) is None
     )  # ... across a restart: the reason is in the log
     learner.adopt(served.artifact)  # a swap (the operator's word) resumes, measuring from the new baseline
     assert log.cursor("fraud").paused == ""
@@ -178,7 +182,7 @@ def test_many_small_flipped_steps_stop_at_the_drift_bound_and_learning_pauses(
 def test_the_golden_log_loss_bound_pauses_drift_the_coefficient_norm_does_not_see(
     data: TabularData, base_artifact: Path, tmp_path: Path
 ) -> None:
-    log = FeedbackLog(tmp_path / "log.sqlite")
+    log = _log(tmp_path)
     spec = _online(max_coef_step=100.0, max_drift=100.0, max_drift_logloss=0.001)
     learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned")
     learner.adopt(base_artifact)
@@ -200,7 +204,7 @@ def test_an_attacker_cannot_move_the_model_past_its_bound_or_hurt_honest_log_los
     """Eve decides crafted transactions and labels them backwards from a thousand invented sources, and
     tries to flip the honest bank's labels; the bank labels its own decisions truthfully meanwhile."""
     clock = ManualClock()
-    log = FeedbackLog(tmp_path / "log.sqlite", clock=clock)
+    log = _log(tmp_path, clock)
     spec = OnlineLearningSpec.model_validate(  # the YAML defaults, with a mini-batch a test can fill
         {"batch_size": 128, "interval_ms": 1000, "min_holdout_rows": 20}
     )
@@ -264,7 +268,7 @@ def test_an_attacker_cannot_move_the_model_past_its_bound_or_hurt_honest_log_los
 def test_honest_labels_alone_stay_inside_the_default_drift_bound(
     data: TabularData, base_artifact: Path, tmp_path: Path
 ) -> None:
-    log = FeedbackLog(tmp_path / "log.sqlite")
+    log = _log(tmp_path)
     spec = OnlineLearningSpec.model_validate({"batch_size": 128, "min_holdout_rows": 20})  # YAML defaults
     learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned", holdout_key=b"\x02" * 32)
     base = learner.adopt(base_artifact)
@@ -285,15 +289,11 @@ def test_honest_labels_alone_stay_inside_the_default_drift_bound(
 
 
 def test_a_server_issued_decision_id_defeats_request_id_squatting(tmp_path: Path) -> None:
-    log = FeedbackLog(tmp_path / "log.sqlite")
+    log = _log(tmp_path)
     eve_row, bank_row = np.full(len(COLUMNS), 9.0, np.float32), np.zeros(len(COLUMNS), np.float32)
     # Eve decides first under the bank's next request_id; the bank's own decision still gets its own id.
-    log.record_decisions(
-        [
-            DecisionRecord("d-eve", "card", "{}", eve_row, COLUMNS, request_id="tx-42"),
-            DecisionRecord("d-bank", "card", "{}", bank_row, COLUMNS, request_id="tx-42"),
-        ]
-    )
+    trail = DecisionTrail(tmp_path / "audit")
+    trail.keep_many([("d-eve", eve_row, COLUMNS, "tx-42"), ("d-bank", bank_row, COLUMNS, "tx-42")])
     with pytest.raises(InvalidInput, match="several decisions") as info:
         log.record_feedback("tx-42", 1, "fb-1")  # an old client's label is not joined to Eve's decision
     assert info.value.field == "decision_id"

@@ -97,6 +97,20 @@ def _errors(data: dict[str, Any]) -> str:
             lambda d: d["models"]["intent"]["settings"].update(max_num_seqz=3),
             "models.intent.settings.max_num_seqz",
         ),
+        # feedback joins labels to the audit trail's records: no trail, no feedback
+        (lambda d: d.pop("audit"), "audit: a pipeline with 'feedback' needs an enabled audit trail"),
+        (
+            lambda d: d["audit"].update(enabled=False),
+            "audit: a pipeline with 'feedback' needs an enabled audit trail",
+        ),
+        (
+            lambda d: d["audit"].update(retention_days=1),
+            "audit.retention_days: 1 days is shorter than feedback.retention_hours (168 h)",
+        ),
+        (
+            lambda d: d["feedback"].update(buffer_rows=10),
+            "feedback.buffer_rows: Extra inputs are not permitted",
+        ),
     ],
 )
 def test_yaml_errors_name_their_path(
