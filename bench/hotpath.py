@@ -7,6 +7,8 @@ Systems (``--systems``, in this order):
   * ``tabular_only``: ``riskserve up deploy/pipelines/tabular_only.yaml --grpc-port P`` as shipped (reason
     codes for DECLINE and REVIEW);
   * ``tabular_audit``: ``tabular_only`` with the decision audit trail on (``audit:``, its defaults);
+  * ``tabular_learning``: ``tabular_audit`` with a ``feedback:`` section too (the feedback deployment;
+    its audit records keep the encoded rows the feedback log joins labels to);
   * ``card_fraud``: the same with the vLLM intent model (requests carry text; the engine takes minutes to
     start on CPU, up to 10 are allowed);
   * ``card_fraud_batched``: ``card_fraud`` with adaptive batching on the intent model
@@ -59,9 +61,13 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 PIPELINES = ROOT / "deploy" / "pipelines"
 SYSTEMS = (
-    "floor", "tabular_plain", "tabular_only", "tabular_audit", "card_fraud", "card_fraud_batched", "vllm_bare"
+    "floor", "tabular_plain", "tabular_only", "tabular_audit", "tabular_learning", "card_fraud",
+    "card_fraud_batched", "vllm_bare",
 )  # fmt: skip
-GRPC_SYSTEMS = ("floor", "tabular_plain", "tabular_only", "tabular_audit", "card_fraud", "card_fraud_batched")
+GRPC_SYSTEMS = (
+    "floor", "tabular_plain", "tabular_only", "tabular_audit", "tabular_learning", "card_fraud",
+    "card_fraud_batched",
+)  # fmt: skip
 LLM_SYSTEMS = ("card_fraud", "card_fraud_batched")
 
 
@@ -82,6 +88,10 @@ VARIANTS: dict[str, Variant] = {
     # tabular_only with the decision audit trail (as card_fraud ships it: write-ahead journal, SQLite in a
     # background thread): what keeping every decision costs.
     "tabular_audit": Variant("tabular_only", {}, add=(("audit", {"path": "audit"}),)),
+    # ... and a feedback log (no model learns: what a learning pipeline's every decision costs to keep).
+    "tabular_learning": Variant(
+        "tabular_only", {}, add=(("audit", {"path": "audit"}), ("feedback", {"log_path": "feedback.sqlite"}))
+    ),
     "card_fraud_batched": Variant(
         "card_fraud", {"intent": {"batching": {"max_batch_size": 8, "max_wait_ms": 2}}}
     ),

@@ -54,8 +54,9 @@ class DecisionLookup:
         self.directory = Path(directory)
         self._timeout = busy_timeout_s
         self._lock = threading.Lock()
-        self._slots: dict[Path, sqlite3.Connection | None] = {}
-        """Slot file -> its connection (``None``: an old schema this lookup does not read)."""
+        self._slots: dict[Path, sqlite3.Connection] = {}
+        """Slot file -> its connection (a file of an older schema is looked at again at each rescan: its
+        writer upgrades it when it opens it)."""
         self._layouts: dict[str, tuple[str, ...]] = {}
 
     # -- connections -----------------------------------------------------------------------------------
@@ -73,12 +74,8 @@ class DecisionLookup:
             except sqlite3.OperationalError:  # created, not initialised yet: look again next time
                 db.close()
                 continue
-            if version is None:
+            if version is None or int(version[0]) != SCHEMA_VERSION:
                 db.close()
-                continue
-            if int(version[0]) != SCHEMA_VERSION:
-                db.close()
-                self._slots[path] = None
                 continue
             self._slots[path] = db
 
@@ -86,7 +83,7 @@ class DecisionLookup:
         with self._lock:
             if rescan or not self._slots:
                 self._rescan()
-            return [db for db in self._slots.values() if db is not None]
+            return list(self._slots.values())
 
     def _query(self, sql: str, args: tuple[object, ...], rescan: bool) -> list[tuple[object, ...]]:
         """``sql`` on every slot (serialized: the connections are shared); rows of all of them."""
@@ -117,7 +114,8 @@ class DecisionLookup:
         for record in self._journal_records():
             if record["decision_id"] == decision_id:
                 return DecisionRef(decision_id, float(record["decided_at"]), record["request_id"])
-        return None
+        rows = self._query(sql, (decision_id,), False)  # committed (and its segment deleted) meanwhile
+        return _ref(rows[0]) if rows else None
 
     def by_request(self, request_id: str) -> list[DecisionRef]:
         """Up to two decisions made for the caller's ``request_id`` (two: it is ambiguous)."""
@@ -142,8 +140,24 @@ class DecisionLookup:
     def rows(self, decision_ids: Iterable[str]) -> dict[str, FeatureRow]:
         """The feature row of each decision that has one (absent: not found, or kept no row)."""
         wanted = list(dict.fromkeys(decision_ids))
+        out = self._stored_rows(wanted)
+        missing = {i for i in wanted if i not in out}
+        if missing:
+            for record in self._journal_records():
+                if record["decision_id"] in missing and "features" in record:
+                    row = self._row(record.get("layout", ""), record["features"])
+                    if row is not None:
+                        out[record["decision_id"]] = row
+            late = [i for i in wanted if i not in out]
+            if late:  # committed (and their segments deleted) while the journals were read
+                out.update(self._stored_rows(late, new_slots=False))
+        return out
+
+    def _stored_rows(self, wanted: list[str], new_slots: bool = True) -> dict[str, FeatureRow]:
+        """Rows of ``wanted`` in the slot stores; ``new_slots``: look for new slot files when some are
+        missing."""
         out: dict[str, FeatureRow] = {}
-        for rescan in (False, True):
+        for rescan in (False, True) if new_slots else (False,):
             missing = [i for i in wanted if i not in out]
             if not missing:
                 return out
@@ -158,13 +172,6 @@ class DecisionLookup:
                     row = self._row(str(layout) if layout else "", features)
                     if row is not None:
                         out[str(decision_id)] = row
-        missing_set = {i for i in wanted if i not in out}
-        if missing_set:
-            for record in self._journal_records():
-                if record["decision_id"] in missing_set and "features" in record:
-                    row = self._row(record.get("layout", ""), record["features"])
-                    if row is not None:
-                        out[record["decision_id"]] = row
         return out
 
     def _row(self, layout: str, features: object) -> FeatureRow | None:
@@ -191,8 +198,7 @@ class DecisionLookup:
         """Close every connection."""
         with self._lock:
             for db in self._slots.values():
-                if db is not None:
-                    db.close()
+                db.close()
             self._slots.clear()
 
 

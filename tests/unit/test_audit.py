@@ -10,11 +10,13 @@ import json
 import logging
 import os
 import signal
+import sqlite3
 import stat
 import subprocess
 import sys
 import textwrap
 import threading
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -419,3 +421,32 @@ def test_a_record_keeps_the_encoded_row_exactly_with_its_layout(tmp_path: Path) 
     # float32 -> JSON -> float32 is exact: what the learner trains on is what the models saw
     np.testing.assert_array_equal(np.array(rows["d1"].values, np.float32), matrix[0])
     np.testing.assert_array_equal(np.array(rows["d2"].values, np.float32), matrix[1])
+
+
+def test_a_schema_1_slot_is_upgraded_by_its_writer_and_then_found_by_the_lookup(tmp_path: Path) -> None:
+    directory = tmp_path / "audit"
+    directory.mkdir()
+    old = record(1)
+    with closing(sqlite3.connect(directory / "slot-0.sqlite")) as db:  # a slot written before rows were kept
+        db.executescript(
+            "CREATE TABLE schema_version (version INTEGER NOT NULL); INSERT INTO schema_version VALUES (1);"
+            "CREATE TABLE decisions (decision_id TEXT PRIMARY KEY, decided_at REAL NOT NULL, pipeline TEXT"
+            " NOT NULL, pipeline_version TEXT NOT NULL, outcome TEXT NOT NULL, record TEXT NOT NULL);"
+        )
+        db.execute(
+            "INSERT INTO decisions VALUES (?, ?, 'card_fraud', 'v', 'APPROVE', ?)",
+            (old["decision_id"], old["decided_at"], json.dumps(old)),
+        )
+        db.commit()
+    lookup = DecisionLookup(directory)
+    assert lookup.find(old["decision_id"]) is None  # schema 1: its decisions are in the old feedback log
+    with AuditStore(directory / "slot-0.sqlite") as store:  # a replica takes the slot: upgraded in place
+        new = record(2) | {"features": [1.5, -2.0], "layout": store.add_layout(["a", "b"])}
+        store.insert([new])
+    assert lookup.find(new["decision_id"]) is not None  # looked at again on a miss
+    found = lookup.by_request(old["request_id"])  # the caller's id of an old record, now a column
+    assert [(r.decision_id, r.decided_at) for r in found] == [(old["decision_id"], old["decided_at"])]
+    rows = lookup.rows([old["decision_id"], new["decision_id"]])
+    assert list(rows) == [new["decision_id"]]  # an old record kept no row
+    assert (rows[new["decision_id"]].columns, rows[new["decision_id"]].values) == (("a", "b"), [1.5, -2.0])
+    lookup.close()
