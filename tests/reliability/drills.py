@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from riskserve.audit import AuditTrail
 
 from .harness import PIPELINE, fault_hang, fault_kill, fault_resume, replaced, replica_pids, wait_for
 from .load import DECISION, HANG, LABEL, LoadClient, Report
@@ -118,15 +119,16 @@ def kill_model_replica(
 
 
 def unrecorded(feedback_log: Path, report: Report) -> int:
-    """Decisions answered but absent from the feedback log once the replicas had time to send (and adopt)
-    what they buffered: read from the SQLite file itself, read-only."""
+    """Decisions answered but absent from the audit trail the feedback log joins labels to (the harness
+    keeps it in ``audit/`` beside the log's ``feedback/``), once the replicas had time to commit (and
+    replay) what they had: read from its files (stores and journals) directly."""
     ids = {o.decision_id for o in report.of("Decide") if o.kind == DECISION}
     missing = ids
+    audit = feedback_log.parent.parent / "audit"
 
     def all_there() -> bool:
         nonlocal missing
-        with contextlib.closing(sqlite3.connect(f"file:{feedback_log}?mode=ro", uri=True)) as db:
-            have = {row[0] for row in db.execute("SELECT request_id FROM decisions")}
+        have = {record["decision_id"] for record in AuditTrail(audit).records(0.0, 1e12)}
         missing = ids - have
         return not missing
 
