@@ -11,6 +11,7 @@ plane.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -318,10 +319,13 @@ class PipelineIngress:
         return {name: str(status.version or "") for name, status in zip(names, statuses, strict=True)}
 
     async def learning_status(self) -> dict[str, Any]:
-        """The feedback service's status (cursor, pending labels, batch outcomes per online model)."""
+        """The feedback service's status (cursor, pending labels, batch outcomes per online model) and
+        what this replica's audit writer, which keeps the decisions labels join, did (``audit``)."""
         if self._feedback is None:
             raise InvalidInput(f"pipeline '{self.name}' has no feedback section", field="feedback")
         status: dict[str, Any] = await self._feedback.status.remote()
+        if self._audit is not None:  # the decisions labels are joined to: this replica's audit writer
+            status["audit"] = dataclasses.asdict(self._audit.counts())
         return status
 
     def audit_status(self) -> AuditCounts | None:
