@@ -14,19 +14,23 @@ copied into the feedback log then, which keeps that copy read-only as its fallba
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from riskserve.audit.journal import read_segment
 from riskserve.audit.store import SCHEMA_VERSION, AuditRecord
 
 __all__ = ["DecisionLookup", "DecisionRef", "FeatureRow"]
 
 CHUNK = 500
 """Ids per ``IN (...)`` query (SQLite's default limit of host parameters is far above)."""
+_FIELDS = {
+    key: re.compile(rb'"' + key.encode() + rb'":("(?:[^"\\]|\\.)*")') for key in ("decision_id", "request_id")
+}
+"""A journal line's id fields as the writer's compact JSON spells them (read without parsing the line)."""
 
 
 @dataclass(frozen=True)
@@ -93,14 +97,28 @@ class DecisionLookup:
                 rows.extend(db.execute(sql, args).fetchall())
         return rows
 
-    def _journal_records(self) -> Iterable[AuditRecord]:
+    def _journal_records(self, key: str, wanted: set[str]) -> Iterator[AuditRecord]:
+        """The records of every slot's journal whose ``key`` field is one of ``wanted``. A journal holds
+        megabytes before it is rotated, so a segment is searched for the ids' bytes first and only
+        matching lines are parsed (a lookup of an unknown id parses nothing)."""
+        needles = [json.dumps(w).encode() for w in wanted]
+        field = _FIELDS[key]
         for path in sorted(self.directory.glob("slot-*.journal/*.jsonl")):
             try:
-                for entry in read_segment(path):
-                    if entry is not None:
-                        yield entry[0]
+                data = path.read_bytes()
             except FileNotFoundError:  # drained meanwhile: it is in a store now
                 continue
+            if len(needles) <= 8 and not any(n in data for n in needles):
+                continue
+            for line in data.splitlines():
+                found = field.search(line)
+                if found is None or json.loads(found.group(1)) not in wanted:
+                    continue
+                try:
+                    record: AuditRecord = json.loads(line)
+                except ValueError:  # a torn line (the writer counts it when it replays the segment)
+                    continue
+                yield record
 
     # -- lookups ---------------------------------------------------------------------------------------
 
@@ -111,9 +129,8 @@ class DecisionLookup:
             rows = self._query(sql, (decision_id,), rescan)
             if rows:
                 return _ref(rows[0])
-        for record in self._journal_records():
-            if record["decision_id"] == decision_id:
-                return DecisionRef(decision_id, float(record["decided_at"]), record["request_id"])
+        for record in self._journal_records("decision_id", {decision_id}):
+            return DecisionRef(decision_id, float(record["decided_at"]), record["request_id"])
         rows = self._query(sql, (decision_id,), False)  # committed (and its segment deleted) meanwhile
         return _ref(rows[0]) if rows else None
 
@@ -128,8 +145,8 @@ class DecisionLookup:
             if found:
                 break
         if len(found) < 2:
-            for record in self._journal_records():
-                if record["request_id"] == request_id and record["decision_id"] not in found:
+            for record in self._journal_records("request_id", {request_id}):
+                if record["decision_id"] not in found:
                     found[record["decision_id"]] = DecisionRef(
                         record["decision_id"], float(record["decided_at"]), request_id
                     )
@@ -143,8 +160,8 @@ class DecisionLookup:
         out = self._stored_rows(wanted)
         missing = {i for i in wanted if i not in out}
         if missing:
-            for record in self._journal_records():
-                if record["decision_id"] in missing and "features" in record:
+            for record in self._journal_records("decision_id", missing):
+                if "features" in record:
                     row = self._row(record.get("layout", ""), record["features"])
                     if row is not None:
                         out[record["decision_id"]] = row

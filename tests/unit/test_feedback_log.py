@@ -373,6 +373,7 @@ def test_a_decision_still_only_in_a_journal_takes_its_label_and_trains_on_its_ro
     assert not ack.duplicate
     batch = log.pending("m", 10)  # the row comes from the journal
     np.testing.assert_array_equal(batch.x, row(1)[None, :])
+    assert log.record_feedback("tx-1", 1, "fb-3").duplicate  # found by its caller's request id there too
     writer.close()  # committed now, the journal drained
     again = log.pending("m", 10)  # now from the slot's store: the same row
     np.testing.assert_array_equal(again.x, batch.x)
