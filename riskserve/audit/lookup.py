@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from riskserve.audit.store import SCHEMA_VERSION, AuditRecord
+from riskserve.audit.store import SCHEMA_VERSION, AuditRecord, decode_row
 
 __all__ = ["DecisionLookup", "DecisionRef", "FeatureRow"]
 
@@ -48,7 +48,8 @@ class FeatureRow:
     """The encoded row a decision's models saw, with its column names."""
 
     columns: tuple[str, ...]
-    values: list[float]
+    data: bytes
+    """The row's little-endian float32 bytes."""
 
 
 class DecisionLookup:
@@ -192,13 +193,16 @@ class DecisionLookup:
         return out
 
     def _row(self, layout: str, features: object) -> FeatureRow | None:
-        if not layout or features is None:
+        if not layout or not isinstance(features, str):
             return None
         columns = self._columns(layout)
-        values = json.loads(features) if isinstance(features, str) else features
-        if columns is None or not isinstance(values, list) or len(values) != len(columns):
+        try:
+            data = decode_row(features)
+        except ValueError:
             return None
-        return FeatureRow(columns, values)
+        if columns is None or len(data) != 4 * len(columns):
+            return None
+        return FeatureRow(columns, data)
 
     def _columns(self, layout: str) -> tuple[str, ...] | None:
         """The column names of ``layout`` (from whichever slot keeps them)."""

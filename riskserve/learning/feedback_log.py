@@ -446,8 +446,7 @@ class FeedbackLog:
                         f"SELECT request_id, features, columns FROM decisions WHERE request_id IN ({marks})",
                         chunk,
                     ):
-                        values = np.frombuffer(blob, dtype="<f4").astype(np.float64).tolist()
-                        rows[str(decision_id)] = FeatureRow(tuple(json.loads(layout)), values)
+                        rows[str(decision_id)] = FeatureRow(tuple(json.loads(layout)), bytes(blob))
         return rows
 
     # -- learners ---------------------------------------------------------------------------------
@@ -533,7 +532,7 @@ class FeedbackLog:
         picked.reverse()
         x = np.empty((len(picked), len(wanted)), dtype=np.float32)
         for i, (_, _, row) in enumerate(picked):
-            x[i] = row.values
+            x[i] = np.frombuffer(row.data, dtype="<f4")
         return Window(
             seqs=np.array([p[0] for p in picked], dtype=np.int64),
             x=x,
@@ -609,7 +608,7 @@ class FeedbackLog:
         columns = kept[0][4].columns
         x = np.empty((len(kept), len(columns)), dtype=np.float32)
         for i, k in enumerate(kept):
-            x[i] = k[4].values
+            x[i] = np.frombuffer(k[4].data, dtype="<f4")
         return Batch(
             after_seq=after,
             seqs=np.array([k[0] for k in kept], dtype=np.int64),

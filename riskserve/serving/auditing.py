@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from riskserve.audit.store import AuditRecord
+from riskserve.audit.store import AuditRecord, encode_row
 from riskserve.audit.writer import AuditWriter
 from riskserve.features.encoder import RawRequest
 from riskserve.platform.metrics import AuditMetrics
@@ -83,7 +83,7 @@ def audit_records(
     """One record per decision of a batch, in the batch's order. ``rows`` (the encoded matrix) and
     ``layout`` (its columns' digest, :meth:`AuditWriter.layout`): kept with each record when given."""
     now = time.time()
-    values = rows.tolist() if rows is not None and layout else None  # float32 -> exact doubles
+    values = np.ascontiguousarray(rows, dtype="<f4") if rows is not None and layout else None
     names = list(spec.models)
     fired = _fired_rules(spec)
     records: list[AuditRecord] = []
@@ -130,6 +130,6 @@ def audit_records(
             }
         )
         if values is not None:
-            records[-1]["features"] = values[i]
+            records[-1]["features"] = encode_row(values[i].tobytes())
             records[-1]["layout"] = layout
     return records

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from riskserve.audit.store import AuditRecord, AuditStore
+from riskserve.audit.store import AuditRecord, AuditStore, encode_row
 
 
 def record(i: int, decided_at: float = 1_700_000_000.0) -> AuditRecord:
@@ -99,7 +99,7 @@ class DecisionTrail:
             kept["decision_id"] = decision_id
             kept["decided_at"] = when
             kept["request_id"] = request_id or decision_id
-            kept["features"] = np.asarray(features, dtype=np.float32).tolist()
+            kept["features"] = encode_row(np.asarray(features, dtype="<f4").tobytes())
             kept["layout"] = self.store.add_layout(columns)
             records.append(kept)
         self.store.insert(records)

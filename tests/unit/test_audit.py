@@ -26,6 +26,7 @@ import pytest
 from riskserve.audit import AuditStore, AuditTrail, AuditWriter
 from riskserve.audit.export import to_table, write_table
 from riskserve.audit.lookup import DecisionLookup
+from riskserve.audit.store import encode_row
 from riskserve.learning.feedback_log import FeedbackLog
 from riskserve.platform.metrics import AUDIT_RECORDS, AuditMetrics, recorded
 
@@ -418,9 +419,9 @@ def test_a_record_keeps_the_encoded_row_exactly_with_its_layout(tmp_path: Path) 
     writer.close()  # not started: commits in this thread
     rows = DecisionLookup(tmp_path / "audit").rows(["d2", "d1"])
     assert rows["d1"].columns == tuple(columns)  # the names, from the slot's layouts table
-    # float32 -> JSON -> float32 is exact: what the learner trains on is what the models saw
-    np.testing.assert_array_equal(np.array(rows["d1"].values, np.float32), matrix[0])
-    np.testing.assert_array_equal(np.array(rows["d2"].values, np.float32), matrix[1])
+    # the float32 bytes themselves: what the learner trains on is exactly what the models saw
+    np.testing.assert_array_equal(np.frombuffer(rows["d1"].data, "<f4"), matrix[0])
+    np.testing.assert_array_equal(np.frombuffer(rows["d2"].data, "<f4"), matrix[1])
 
 
 def test_a_schema_1_slot_is_upgraded_by_its_writer_and_then_found_by_the_lookup(tmp_path: Path) -> None:
@@ -441,12 +442,13 @@ def test_a_schema_1_slot_is_upgraded_by_its_writer_and_then_found_by_the_lookup(
     lookup = DecisionLookup(directory)
     assert lookup.find(old["decision_id"]) is None  # schema 1: its decisions are in the old feedback log
     with AuditStore(directory / "slot-0.sqlite") as store:  # a replica takes the slot: upgraded in place
-        new = record(2) | {"features": [1.5, -2.0], "layout": store.add_layout(["a", "b"])}
+        row = np.array([1.5, -2.0], "<f4")
+        new = record(2) | {"features": encode_row(row.tobytes()), "layout": store.add_layout(["a", "b"])}
         store.insert([new])
     assert lookup.find(new["decision_id"]) is not None  # looked at again on a miss
     found = lookup.by_request(old["request_id"])  # the caller's id of an old record, now a column
     assert [(r.decision_id, r.decided_at) for r in found] == [(old["decision_id"], old["decided_at"])]
     rows = lookup.rows([old["decision_id"], new["decision_id"]])
     assert list(rows) == [new["decision_id"]]  # an old record kept no row
-    assert (rows[new["decision_id"]].columns, rows[new["decision_id"]].values) == (("a", "b"), [1.5, -2.0])
+    assert (rows[new["decision_id"]].columns, rows[new["decision_id"]].data) == (("a", "b"), row.tobytes())
     lookup.close()

@@ -20,6 +20,7 @@ import pytest
 from numpy.typing import NDArray
 from sklearn.linear_model import SGDClassifier
 
+from riskserve.audit.store import encode_row
 from riskserve.audit.writer import AuditWriter
 from riskserve.learning import Batch, FeedbackLog
 from riskserve.learning.feedback_log import SCHEMA_VERSION
@@ -366,7 +367,7 @@ def test_a_decision_still_only_in_a_journal_takes_its_label_and_trains_on_its_ro
         log.record_feedback("", 1, "fb-0", decision_id="d000001")
     writer = AuditWriter(audit)  # a replica that started since, written ahead, not committed yet
     kept = record(1, clock.now)
-    kept |= {"features": row(1).tolist(), "layout": writer.layout(COLUMNS)}
+    kept |= {"features": encode_row(row(1).tobytes()), "layout": writer.layout(COLUMNS)}
     writer.submit([kept])
     assert writer.store.count() == 0
     ack = log.record_feedback("", 1, "fb-1", decision_id="d000001")
