@@ -51,7 +51,7 @@ once it has been applied by every *known* model — the models with a cursor row
 nothing is deleted. A label row is only deleted once its decision is past retention, when no label can be
 taken for it any more, so a retry can never be counted twice. The audit trail's retention
 (``audit.retention_days``) must be at least as long (the pipeline schema checks it), and a label whose
-audit record is gone all the same (the trail was purged or removed) is skipped by the learner, counted.
+audit record is gone all the same (the trail was purged or removed) is skipped by the learner, logged.
 """
 
 from __future__ import annotations
