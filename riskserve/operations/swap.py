@@ -42,6 +42,9 @@ __all__ = [
     "swap_model",
 ]
 
+EVERY_REPLICA_S = 5.0
+"""How long ``riskserve learning`` asks the ingress replicas before it shows the ones that answered."""
+
 
 @dataclass(frozen=True)
 class SwapResult:
@@ -226,10 +229,27 @@ def learning_status(pipeline: str, *, state: LocalState | None = None) -> dict[s
     with connected(state):
         from ray import serve
 
-        # The ingress adds its own replica's decision buffer (buffered, dropped) to the learner's status.
-        status: dict[str, Any] = (
-            serve.get_deployment_handle(INGRESS, app_name=pipeline)
-            .learning_status.remote()
-            .result(timeout_s=30)
-        )
+        # Each ingress replica adds what its own audit writer did (the decisions labels join): Serve's
+        # handle picks a replica per call, so it is asked until every replica has answered (or a few
+        # seconds passed: then the ones that did), and their counts are summed.
+        handle = serve.get_deployment_handle(INGRESS, app_name=pipeline)
+        replicas = spec.serving.ingress.replicas
+        seen: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + EVERY_REPLICA_S
+        status: dict[str, Any] = {}
+        for _ in range(20 * replicas):
+            status = handle.learning_status.remote().result(timeout_s=30)
+            seen[str(status.get("replica", ""))] = status
+            if len(seen) >= replicas or time.monotonic() > deadline:
+                break
+        audits = {replica: s["audit"] for replica, s in seen.items() if "audit" in s}
+        if audits:
+            status["audit"] = {
+                key: sum(counts[key] for counts in audits.values())
+                for key, value in next(iter(audits.values())).items()
+                if isinstance(value, int)
+            }
+            status["audit_by_replica"] = audits
+        status.pop("replica", None)
+        status["replicas_answered"] = len(seen)
         return status

@@ -329,6 +329,8 @@ class PipelineIngress:
         status: dict[str, Any] = await self._feedback.status.remote()
         if self._audit is not None:  # the decisions labels are joined to: this replica's audit writer
             status["audit"] = dataclasses.asdict(self._audit.counts())
+        # Which replica answered: an operator view asks until every ingress replica has.
+        status["replica"] = next((r.status().actor_id for r in self._runners.values()), "")
         return status
 
     def audit_status(self) -> AuditCounts | None:
