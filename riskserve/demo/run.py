@@ -160,16 +160,18 @@ def _hot_swap(client: RiskClient, pipeline: str, row: dict[str, float | str]) ->
     print(f"  rollback {back.old_version} -> {back.new_version}; a decision now uses {now}")
 
 
-def _feedback_loop(client: RiskClient, pipeline: str, tx: Transactions, decided: list[int]) -> None:
-    """Label past decisions with their truth; the learner applies them as one mini-batch and publishes."""
+def _feedback_loop(client: RiskClient, pipeline: str, tx: Transactions, decided: list[str]) -> None:
+    """Label past decisions (``decided[i]``: the id of row ``100 + i``'s decision) with their truth, by
+    the id the server gave them (a caller's request id may name decisions of earlier runs kept in the
+    audit trail); the learner applies them as one mini-batch and publishes."""
     from riskserve.operations.swap import learning_status
 
     before = learning_status(pipeline)["models"]["fraud"]
     print(f"\nonline learning: fraud serves {before['version']}; labelling {len(decided)} past decisions")
     t0 = time.perf_counter()
-    for i in decided:
+    for i, decision_id in enumerate(decided):
         client.feedback(
-            request_id=f"lat-{i}",
+            decision_id=decision_id,
             label=int(tx.is_fraud[100 + i]),
             feedback_id=f"cb-{i}",
             source="chargebacks",
@@ -192,8 +194,8 @@ def _feedback_loop(client: RiskClient, pipeline: str, tx: Transactions, decided:
           f"{report['outcome']} ({judged})")  # fmt: skip
     print(f"  {report['parent']} -> {report['version']}; a decision uses {version} "
           f"{(published - acked) * 1e3:.0f} ms after the last label")  # fmt: skip
-    again = client.feedback(request_id=f"lat-{decided[0]}", label=int(tx.is_fraud[100 + decided[0]]),
-                            feedback_id=f"cb-{decided[0]}", source="chargebacks")  # fmt: skip
+    again = client.feedback(decision_id=decided[0], label=int(tx.is_fraud[100]), feedback_id="cb-0",
+                            source="chargebacks")  # fmt: skip
     print(f"  a retried label: duplicate={again.duplicate}, seq {again.seq} (applied once)")
 
 
@@ -246,13 +248,15 @@ def run_demo(*, models: Path, pipeline: Path, grpc_port: int) -> int:
             t2 = time.perf_counter()
             client.decide_batch(batch)
             batch_s = time.perf_counter() - t2
+            decision_ids: list[str] = []  # what a label names: the id the server gave each decision
             for i in range(100):
                 t1 = time.perf_counter()
-                client.decide_request(_request(tx.row(100 + i), f"lat-{i}"))
+                answer = client.decide_request(_request(tx.row(100 + i), f"lat-{i}"))
                 latencies.append((time.perf_counter() - t1) * 1e3)
+                decision_ids.append(answer.decision_id)
             ordered = sorted(latencies)
             p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-            _feedback_loop(client, state.pipelines[0], tx, list(range(64)))
+            _feedback_loop(client, state.pipelines[0], tx, decision_ids[:64])
             print("\nshadow comparison since it started:")
             _shadow_figures(state.pipelines[0])
             _hot_swap(client, state.pipelines[0], tx.row(0))
