@@ -32,9 +32,11 @@ from .harness import (
 )
 from .load import DECISION, HANG, LABEL, LoadClient, Outcome
 
-pytestmark = [pytest.mark.reliability, pytest.mark.slow]
-
 SOAK_S = float(os.environ.get("RISKSERVE_SOAK_S", "600"))
+
+# The soak itself lasts SOAK_S; the suite's 600 s per-test timeout would end the default 10-minute soak
+# before its checks (it did: the first 10-minute run timed out), so it gets the soak plus 10 minutes.
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(SOAK_S + 600)]
 WARMUP_S = 30.0
 """Load before the first fault and before the memory baseline (allocators and caches settle)."""
 SAMPLE_EVERY_S = 15.0
