@@ -30,8 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, NotRequired, TypedDict
 
-from riskserve.platform.errors import ConfigError
-from riskserve.platform.sqlite_wal import open_wal
+from riskserve.platform.sqlite_wal import install_schema, open_wal
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -145,26 +144,16 @@ class AuditStore:
             raise
 
     def _configure(self) -> None:
-        with self._write() as cur:
-            for statement in filter(str.strip, _SCHEMA.split(";")):
-                cur.execute(statement)
-            rows = cur.execute("SELECT version FROM schema_version").fetchall()
-            found: int | None = SCHEMA_VERSION
-            if not rows:
-                cur.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-            else:
-                found = int(rows[0][0]) if len(rows) == 1 else None
-            while found in _MIGRATIONS:  # an older file is upgraded in the same transaction
-                for statement in _MIGRATIONS[found]:
-                    cur.execute(statement)
-                found += 1
-                cur.execute("UPDATE schema_version SET version = ?", (found,))
-            if found != SCHEMA_VERSION:
-                raise ConfigError(
-                    f"{self.path}: audit schema {[r[0] for r in rows]}, this code reads {SCHEMA_VERSION}"
-                )
-            for statement in _INDEXES:
-                cur.execute(statement)
+        with self._write() as cur:  # an older file is upgraded in the same transaction
+            install_schema(
+                cur,
+                path=self.path,
+                schema=_SCHEMA,
+                version=SCHEMA_VERSION,
+                migrations=_MIGRATIONS,
+                indexes=_INDEXES,
+                label="audit schema",
+            )
 
     def _write(self) -> _Transaction:
         return _Transaction(self._db, self._lock)

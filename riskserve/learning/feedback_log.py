@@ -74,7 +74,7 @@ from numpy.typing import NDArray
 
 from riskserve.audit.lookup import DecisionLookup, DecisionRef, FeatureRow
 from riskserve.platform.errors import AlreadyExists, ConfigError, Conflict, InvalidInput, NotFound
-from riskserve.platform.sqlite_wal import open_wal
+from riskserve.platform.sqlite_wal import install_schema, open_wal
 
 __all__ = ["SCHEMA_VERSION", "Batch", "Cursor", "FeedbackAck", "FeedbackLog", "Window"]
 
@@ -254,30 +254,23 @@ class FeedbackLog:
         if self.pragma("synchronous") != 2:  # 2 == FULL: fsync the WAL on every commit
             raise ConfigError(f"{self.path}: SQLite did not accept synchronous=FULL")
         with self._write() as cur:  # schema and its version in one transaction: racing openers agree
-            for statement in filter(str.strip, _SCHEMA.split(";")):
-                cur.execute(statement)
-            rows = cur.execute("SELECT version FROM schema_version").fetchall()
-            if not rows:
-                cur.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-                for statement in _INDEXES:
-                    cur.execute(statement)
-                return
-            found = rows[0][0] if len(rows) == 1 else None
             legacy = _table_exists(cur, "decisions")
-            while found in _MIGRATIONS:  # older files are upgraded in the same transaction
-                for statement in _MIGRATIONS[found]:
-                    if "decisions" in statement and not legacy:
-                        continue  # a file that never held a decision (this schema no longer makes the table)
-                    if not _column_exists(cur, statement):  # a table the schema just created has it
-                        cur.execute(statement)
-                found += 1
-                cur.execute("UPDATE schema_version SET version = ?", (found,))
-            if found != SCHEMA_VERSION:
-                raise ConfigError(
-                    f"{self.path}: schema version {[r[0] for r in rows]}, this code reads {SCHEMA_VERSION}"
-                )
-            for statement in _INDEXES:
-                cur.execute(statement)
+
+            def applies(statement: str) -> bool:
+                if "decisions" in statement and not legacy:
+                    return False  # a file that never held a decision (this schema no longer makes the table)
+                return not _column_exists(cur, statement)  # a table the schema just created has it
+
+            install_schema(
+                cur,
+                path=self.path,
+                schema=_SCHEMA,
+                version=SCHEMA_VERSION,
+                migrations=_MIGRATIONS,
+                indexes=_INDEXES,
+                label="schema version",
+                applies=applies,
+            )
             self._legacy = _table_exists(cur, "decisions")
 
     # -- plumbing ---------------------------------------------------------------------------------

@@ -5,12 +5,13 @@ does not take them (WAL needs a local file system)."""
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
 from riskserve.platform.errors import ConfigError
 
-__all__ = ["open_wal"]
+__all__ = ["install_schema", "open_wal"]
 
 
 def open_wal(
@@ -33,3 +34,41 @@ def open_wal(
         db.close()
         raise
     return db
+
+
+def install_schema(
+    cur: sqlite3.Cursor,
+    *,
+    path: Path,
+    schema: str,
+    version: int,
+    migrations: Mapping[int, Sequence[str]],
+    indexes: Sequence[str],
+    label: str,
+    applies: Callable[[str], bool] = lambda statement: True,
+) -> None:
+    """Create ``schema`` (its tables ``IF NOT EXISTS``, one of them ``schema_version``), record ``version``
+    in a fresh file, upgrade an older file's schema in the same transaction (each migration statement
+    ``applies`` accepts, version by version), then create ``indexes`` (they may name migrated columns).
+
+    Raises:
+        ConfigError: the file holds a version this code cannot read (``label`` names it in the message).
+    """
+    for statement in filter(str.strip, schema.split(";")):
+        cur.execute(statement)
+    rows = cur.execute("SELECT version FROM schema_version").fetchall()
+    found: int | None = version
+    if not rows:
+        cur.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+    else:
+        found = int(rows[0][0]) if len(rows) == 1 else None
+    while found is not None and found in migrations:
+        for statement in migrations[found]:
+            if applies(statement):
+                cur.execute(statement)
+        found += 1
+        cur.execute("UPDATE schema_version SET version = ?", (found,))
+    if found != version:
+        raise ConfigError(f"{path}: {label} {[r[0] for r in rows]}, this code reads {version}")
+    for statement in indexes:
+        cur.execute(statement)
