@@ -117,6 +117,7 @@ class PipelineIngress:
             serving.ingress.max_ongoing_requests,
             serving.ingress.max_queued_requests,
             max_lag_s=serving.grpc.max_loop_lag_ms / 1e3 if serving.grpc.max_loop_lag_ms else None,
+            max_wait_s=serving.grpc.max_queue_wait_ms / 1e3 if serving.grpc.max_queue_wait_ms else None,
         )
         self._front_door = FrontDoor(self, serving.grpc, admission)
         self._refresher: asyncio.Task[None] | None = None
