@@ -81,8 +81,11 @@ class Pipeline(Protocol):
 
     async def describe(self) -> pb.DescribeResponse: ...
 
-    async def feedback(self, request: pb.FeedbackRequest, caller: Caller | None) -> pb.FeedbackResponse:
-        """Record a label; ``caller`` is the authenticated caller (``None``: the front door has no tokens)."""
+    async def feedback(
+        self, request: pb.FeedbackRequest, caller: Caller | None, deadline: float
+    ) -> pb.FeedbackResponse:
+        """Record a label by ``deadline`` (monotonic, the call's own); ``caller`` is the authenticated caller
+        (``None``: the front door has no tokens)."""
         ...
 
 
@@ -341,7 +344,8 @@ class _Service(pb_grpc.RiskPipelineServicer):
 
         async def record() -> pb.FeedbackResponse:
             check_feedback_request(request, self._limits)
-            return await self._pipeline.feedback(request, current_caller())
+            deadline, _ = self._deadline(_metadata(context), context)
+            return await self._pipeline.feedback(request, current_caller(), deadline)
 
         response: pb.FeedbackResponse = await self._simple(record, pb.FeedbackResponse(), context)
         return response

@@ -50,7 +50,9 @@ class HeldPipeline:
     async def describe(self) -> pb.DescribeResponse:
         return pb.DescribeResponse(pipeline=NAME)
 
-    async def feedback(self, request: pb.FeedbackRequest, caller: Caller | None) -> pb.FeedbackResponse:
+    async def feedback(
+        self, request: pb.FeedbackRequest, caller: Caller | None, deadline: float
+    ) -> pb.FeedbackResponse:
         return pb.FeedbackResponse(accepted=True)
 
 
