@@ -2,8 +2,9 @@
 one fault of each kind at a random time (``RISKSERVE_SOAK_SEED`` picks them; it is printed): ``kill -9`` of a
 model replica, ``kill -9`` of an ingress replica, a hung (SIGSTOPped) model replica, and a flood past
 capacity. Pass rule: zero failures outside the fault windows (every request a decision or an acknowledged
-label, no fallback, no retry), the fault windows within their drill's allowed set, no hang, every
-acknowledged label kept, and the memory (RSS) and file descriptors of every riskserve/Ray process flat."""
+label, no fallback, no retry), the fault windows within their drill's allowed set, no hang, the flood
+refused (RESOURCE_EXHAUSTED) at least once at the default limits, every acknowledged label kept, and the
+memory (RSS) and file descriptors of every riskserve/Ray process flat."""
 
 from __future__ import annotations
 
@@ -193,5 +194,6 @@ def test_a_soak_with_one_fault_of_each_kind_at_random_times_loses_nothing_and_st
     assert lost == [], f"{len(lost)} acknowledged labels lost"
     assert decisions_lost == 0, "decisions answered but never reached the feedback log"
     assert set(flood_kinds) <= {DECISION, "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, flood_kinds
+    assert flood_kinds.get("RESOURCE_EXHAUSTED", 0) > 0, f"the flood was never refused: {flood_kinds}"
     assert final.total_rss <= baseline.total_rss * (1 + MAX_GROWTH), figures
     assert final.total_fds <= baseline.total_fds * (1 + MAX_GROWTH), figures
