@@ -401,10 +401,19 @@ class FrontDoorSpec(_Strict):
     ``max_text_chars``)."""
     max_concurrent_calls: int = Field(default=128, ge=1, le=100_000)
     """Calls in progress in one ingress replica, every method and connection together (health ``Watch``
-    streams count while open); one more is refused at once with RESOURCE_EXHAUSTED ("Concurrent RPC limit
-    exceeded!", by grpc before any handler runs: microseconds, nothing ran), so an overload is a prompt,
-    retryable refusal instead of a queue that outgrows its callers' deadlines. The admission limit of
+    streams count while open); one more is refused with RESOURCE_EXHAUSTED ("Concurrent RPC limit
+    exceeded!", by grpc before any handler runs: nothing ran), so an overload is a retryable refusal instead
+    of a queue that outgrows its callers' deadlines. The refusal too waits its turn to be taken from grpc
+    by the replica's event loop, one call at a time (see ``max_queue_wait_ms``). The admission limit of
     decisions (``serving.ingress`` ``max_ongoing_requests`` + ``max_queued_requests``) applies within it."""
+    max_queue_wait_ms: float = Field(default=250, ge=0, le=60_000)
+    """Overload shedding: while calls reach an ingress replica's handlers having waited more than this in
+    front of them (every call of the last 200 ms did: a queue that stands, not a burst), a decision that
+    waited that long is refused at once with RESOURCE_EXHAUSTED (0: off). Past capacity the queue forms
+    inside grpc, before any handler, where neither ``max_concurrent_calls`` nor the loop lag sees it, until
+    the calls' deadlines pass; refusing drains it. Measured for calls that send their budget in
+    ``riskserve-timeout-ms`` beside their gRPC deadline (``RiskClient`` does, both from one timeout): the
+    budget less what is left of the deadline."""
     max_loop_lag_ms: float = Field(default=250, ge=0, le=60_000)
     """Overload shedding: while an ingress replica's event loop runs more than this behind (two probes 50 ms
     apart in a row, so one moment without a CPU is not an overload), it refuses new decisions at once with

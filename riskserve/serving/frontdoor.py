@@ -81,8 +81,11 @@ class Pipeline(Protocol):
 
     async def describe(self) -> pb.DescribeResponse: ...
 
-    async def feedback(self, request: pb.FeedbackRequest, caller: Caller | None) -> pb.FeedbackResponse:
-        """Record a label; ``caller`` is the authenticated caller (``None``: the front door has no tokens)."""
+    async def feedback(
+        self, request: pb.FeedbackRequest, caller: Caller | None, deadline: float
+    ) -> pb.FeedbackResponse:
+        """Record a label by ``deadline`` (monotonic, the call's own); ``caller`` is the authenticated caller
+        (``None``: the front door has no tokens)."""
         ...
 
 
@@ -95,6 +98,10 @@ def _metadata(context: Any) -> dict[str, str]:
 
 LAG_PROBE_S = 0.05
 """How often the event loop's lag is measured (a sleep of this long, and how late it wakes)."""
+QUEUE_INTERVAL_S = 0.2
+"""The queue in front of the handlers counts as standing when every call that reached a handler during one
+interval this long had waited more than ``max_wait_s`` (CoDel's rule: a burst drains within an interval,
+a standing queue does not)."""
 
 
 class Admission:
@@ -102,19 +109,47 @@ class Admission:
     up to ``ongoing`` run at once, up to ``queued`` more wait (within their deadline), the rest are refused
     at once with RESOURCE_EXHAUSTED (``queued`` -1: unbounded).
 
-    With ``max_lag_s`` (and :meth:`watch_lag` running), a decision is also refused at once while the event
-    loop runs more than that behind: past its capacity a replica's calls queue in front of the loop,
-    where no count sees them, until their deadlines pass; refusing costs a fraction of deciding, so the
-    queue drains and the refusals stay prompt."""
+    Past its capacity a replica's calls queue in front of its handlers, inside grpc (which hands the
+    event loop one call at a time), where no count sees them, until their deadlines pass. Two signals see
+    that queue and refuse new decisions at once while it stands, so it drains (a refusal costs a fraction of a
+    decision) and what is past capacity gets a prompt RESOURCE_EXHAUSTED instead of DEADLINE_EXCEEDED:
 
-    def __init__(self, ongoing: int, queued: int, max_lag_s: float | None = None) -> None:
+    - ``max_wait_s``: how long calls waited before their handler ran (:meth:`arrived`), when every call
+      of the last :data:`QUEUE_INTERVAL_S` waited longer than this (measured: the flood that the loop-lag
+      signal never caught queued calls 1.5 s in front of a loop only 55 ms behind);
+    - ``max_lag_s`` (with :meth:`watch_lag` running): the event loop runs that far behind."""
+
+    def __init__(
+        self,
+        ongoing: int,
+        queued: int,
+        max_lag_s: float | None = None,
+        max_wait_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``clock``: monotonic seconds, for the intervals of ``max_wait_s`` (injectable for tests)."""
         self.ongoing, self.queued = ongoing, queued
+        self.clock = clock
         self._slots = asyncio.Semaphore(ongoing)
         self._admitted = 0
         self.max_lag_s = max_lag_s
         self.lag_s = 0.0
         """How late the last two lag probes woke up, the lesser of the two (seconds): a sustained lag, not
         one moment the process was not scheduled."""
+        self.max_wait_s = max_wait_s
+        self.standing_s = 0.0
+        """The least wait of the calls that reached a handler in the last whole interval (0: none came)."""
+        self._interval_ends = float("-inf")
+        self._least_s = float("inf")
+
+    def arrived(self, waited_s: float, now: float) -> None:
+        """A call reached its handler having waited ``waited_s`` since its client sent it (monotonic
+        ``now``); updates :attr:`standing_s` once an interval is over."""
+        if now >= self._interval_ends:
+            self.standing_s = self._least_s if now < self._interval_ends + QUEUE_INTERVAL_S else 0.0
+            self._least_s = float("inf")
+            self._interval_ends = now + QUEUE_INTERVAL_S
+        self._least_s = min(self._least_s, waited_s)
 
     async def watch_lag(self) -> None:
         """Measure the event loop's lag forever (a task of the front door)."""
@@ -126,25 +161,28 @@ class Admission:
             lag = max(loop.time() - asked - LAG_PROBE_S, 0.0)
             self.lag_s, last = min(lag, last), lag
 
-    def slot(self, deadline: float) -> _Slot:
-        """A context manager that holds one of the ``ongoing`` slots while the decision runs.
+    def slot(self, deadline: float, waited_s: float | None = None) -> _Slot:
+        """A context manager that holds one of the ``ongoing`` slots while the decision runs; ``waited_s``:
+        how long the call waited before its handler ran, if known.
 
         Raises (on entry):
-            Overloaded: ``ongoing`` run and ``queued`` more wait already.
+            Overloaded: ``ongoing`` run and ``queued`` more wait already, or a queue stands in front of the
+                handlers and this call waited in it, or the event loop runs behind.
             DeadlineExceeded: the deadline passed while waiting for a slot.
         """
-        return _Slot(self, deadline)
+        return _Slot(self, deadline, waited_s)
 
 
 class _Slot:
     """One admission to an :class:`Admission` (a plain class: an ``asynccontextmanager`` costs a generator
     and two frames per decision)."""
 
-    __slots__ = ("_admission", "_deadline", "_held")
+    __slots__ = ("_admission", "_deadline", "_held", "_waited_s")
 
-    def __init__(self, admission: Admission, deadline: float) -> None:
+    def __init__(self, admission: Admission, deadline: float, waited_s: float | None) -> None:
         self._admission = admission
         self._deadline = deadline
+        self._waited_s = waited_s
         self._held = False
 
     async def __aenter__(self) -> None:
@@ -154,6 +192,14 @@ class _Slot:
                 f"overloaded: {admission.ongoing} decisions running, {admission.queued} queued in this "
                 "ingress replica"
             )
+        waited, most = self._waited_s, admission.max_wait_s
+        if waited is not None and most is not None:
+            admission.arrived(waited, admission.clock())
+            if waited > most and admission.standing_s > most:
+                raise Overloaded(
+                    f"overloaded: calls wait {admission.standing_s * 1e3:.0f} ms and more in front of this "
+                    f"ingress replica (max_queue_wait_ms {most * 1e3:.0f}); retry with backoff"
+                )
         if admission.max_lag_s is not None and admission.lag_s > admission.max_lag_s:
             raise Overloaded(
                 f"overloaded: this ingress replica runs {admission.lag_s * 1e3:.0f} ms behind "
@@ -202,21 +248,28 @@ class _Service(pb_grpc.RiskPipelineServicer):
         if named != mine:
             raise NotFound(f"pipeline '{named}' is not served here (this endpoint serves '{mine}')")
 
-    def _deadline(self, metadata: dict[str, str], context: Any) -> float:
-        """Monotonic time by which to answer: the gRPC deadline, the metadata budget, the pipeline's own."""
+    def _deadline(self, metadata: dict[str, str], context: Any) -> tuple[float, float | None]:
+        """Monotonic time by which to answer (the gRPC deadline, the metadata budget, the pipeline's own,
+        the shortest), and how long the call waited before its handler ran, when it sent both a gRPC deadline
+        and its budget in ``riskserve-timeout-ms`` (as :class:`~riskserve.client.RiskClient` does, both
+        from one timeout): the budget less what is left of the deadline, ``None`` otherwise."""
         budget_s = self._pipeline.decision_timeout_ms / 1e3
         remaining = context.time_remaining()
         if remaining is not None:
             budget_s = min(budget_s, float(remaining))
+        waited_s = None
         value = metadata.get(DEADLINE_METADATA)
         if value is not None:
             try:
-                budget_s = min(budget_s, float(value) / 1e3)
+                named_s = float(value) / 1e3
             except ValueError:
                 raise InvalidInput(
                     f"'{value}' is not a number of milliseconds", field=DEADLINE_METADATA
                 ) from None
-        return time.monotonic() + budget_s
+            budget_s = min(budget_s, named_s)
+            if remaining is not None:
+                waited_s = max(named_s - float(remaining), 0.0)
+        return time.monotonic() + budget_s, waited_s
 
     def _failed(self, error: BaseException, span: Any, context: Any, method: str = "") -> None:
         cause = getattr(error, "cause", error)
@@ -234,12 +287,12 @@ class _Service(pb_grpc.RiskPipelineServicer):
             trace_id = trace_id_of(metadata) or new_trace_id()
             try:
                 self._route(metadata)
-                check_decide_requests(requests, self._limits)
-                deadline = self._deadline(metadata, context)
-                async with self._admission.slot(deadline):
+                deadline, waited_s = self._deadline(metadata, context)
+                async with self._admission.slot(deadline, waited_s):  # refusals first: they must be cheap
+                    check_decide_requests(requests, self._limits)
                     return await self._pipeline.decide(requests, trace_id, deadline, False)
             except Exception as error:  # every failure becomes its status, never UNKNOWN
-                self._failed(error, None, context)
+                self._failed(error, None, context, method)
                 return None
         attributes: dict[str, str | int] = {
             "pipeline": self._pipeline.name,
@@ -250,10 +303,10 @@ class _Service(pb_grpc.RiskPipelineServicer):
         with start_span(SPAN_DECIDE, context=parent, kind=SpanKind.SERVER, attributes=attributes) as span:
             try:
                 self._route(metadata)
-                check_decide_requests(requests, self._limits)
-                deadline = self._deadline(metadata, context)
+                deadline, waited_s = self._deadline(metadata, context)
                 traced = bool(span.is_recording())
-                async with self._admission.slot(deadline):
+                async with self._admission.slot(deadline, waited_s):
+                    check_decide_requests(requests, self._limits)
                     return await self._pipeline.decide(requests, current_trace_id(), deadline, traced)
             except Exception as error:  # every failure becomes its status, never UNKNOWN
                 self._failed(error, span, context, method)
@@ -291,7 +344,8 @@ class _Service(pb_grpc.RiskPipelineServicer):
 
         async def record() -> pb.FeedbackResponse:
             check_feedback_request(request, self._limits)
-            return await self._pipeline.feedback(request, current_caller())
+            deadline, _ = self._deadline(_metadata(context), context)
+            return await self._pipeline.feedback(request, current_caller(), deadline)
 
         response: pb.FeedbackResponse = await self._simple(record, pb.FeedbackResponse(), context)
         return response

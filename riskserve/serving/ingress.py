@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import grpc
@@ -30,6 +31,7 @@ from riskserve.serving.auth import label_source
 from riskserve.serving.flow import DecisionFlow
 from riskserve.serving.frontdoor import Admission, FrontDoor
 from riskserve.serving.guarded_call import GuardedModel, LocalEndpoint, MatrixSharer, RemoteEndpoint
+from riskserve.serving.labels import record_label
 from riskserve.serving.messages import describe_response
 from riskserve.serving.model_lane import Lanes, LaneUse
 from riskserve.serving.reasons import ReasonExplainer
@@ -44,8 +46,6 @@ logger = logging.getLogger(__name__)
 HEALTH_REFRESH_S = 1.0
 """How often the ingress asks its remote models whether they are ready (health answers from this)."""
 HEALTH_PROBE_TIMEOUT_S = 1.0
-FEEDBACK_FLUSH_TIMEOUT_S = 5.0
-"""How long ``Feedback`` waits for this replica's buffered audit records to reach its audit store."""
 
 
 class PipelineIngress:
@@ -117,6 +117,7 @@ class PipelineIngress:
             serving.ingress.max_ongoing_requests,
             serving.ingress.max_queued_requests,
             max_lag_s=serving.grpc.max_loop_lag_ms / 1e3 if serving.grpc.max_loop_lag_ms else None,
+            max_wait_s=serving.grpc.max_queue_wait_ms / 1e3 if serving.grpc.max_queue_wait_ms else None,
         )
         self._front_door = FrontDoor(self, serving.grpc, admission)
         self._refresher: asyncio.Task[None] | None = None
@@ -230,7 +231,7 @@ class PipelineIngress:
         return describe_response(self._spec, versions)
 
     async def feedback(
-        self, request: pb.FeedbackRequest, caller: Caller | None = None
+        self, request: pb.FeedbackRequest, caller: Caller | None = None, deadline: float | None = None
     ) -> pb.FeedbackResponse:
         """Record the true outcome of a past decision; answered only once the label is durable.
 
@@ -239,12 +240,15 @@ class PipelineIngress:
 
         ``caller``: the authenticated caller when the front door checks tokens; the label's source is then
         its identity (:func:`~riskserve.serving.auth.label_source`), else the request's ``source``.
+        ``deadline`` (monotonic; default: the pipeline's ``decision_timeout_ms`` from now): the call's own,
+        which bounds every wait (:func:`~riskserve.serving.labels.record_label`).
 
         A retried ``feedback_id`` answers ``duplicate=true`` and is applied once. Errors: no such decision
         (NOT_FOUND), label not 0/1 or empty ids (INVALID_ARGUMENT, field named), the id reused for another
         label (ABORTED), a decision already labelled with the other value (ALREADY_EXISTS), the source
-        or all sources over their rate (RESOURCE_EXHAUSTED), the log unreachable (UNAVAILABLE),
-        no feedback in this pipeline (UNIMPLEMENTED).
+        or all sources over their rate (RESOURCE_EXHAUSTED), the log unreachable (UNAVAILABLE), no answer
+        from it before the deadline (DEADLINE_EXCEEDED: resend with the same ``feedback_id``), no feedback
+        in this pipeline (UNIMPLEMENTED).
         """
         audit = self._audit
         if self._feedback is None or audit is None:
@@ -254,26 +258,12 @@ class PipelineIngress:
         if request.label not in (0, 1):
             raise InvalidInput(f"must be 0 or 1, got {request.label}", field="label")
         source = label_source(request.source, caller)
+        if deadline is None:
+            deadline = time.monotonic() + self.decision_timeout_ms / 1e3
         # A label sent right after its decision must find it in the audit trail the feedback log joins
         # labels to: this replica's records submitted so far leave memory first. With write-ahead they are
         # on its journal already, where the log looks too, so a slow store only costs the lookup a search.
-        if not await asyncio.to_thread(audit.flush_submitted, FEEDBACK_FLUSH_TIMEOUT_S):
-            logger.warning(
-                "the audit store took longer than %ss; the label is looked up anyway",
-                FEEDBACK_FLUSH_TIMEOUT_S,
-            )
-        try:
-            ack = await self._feedback.record_feedback.remote(
-                request.request_id,
-                int(request.label),
-                request.feedback_id,
-                source,
-                decision_id=request.decision_id,
-            )
-        except Exception as error:
-            if isinstance(getattr(error, "cause", error), RiskServeError):
-                raise  # the service's own verdict (NOT_FOUND, ABORTED, ...); status_of unwraps it
-            raise ModelUnavailable(f"the feedback log is unreachable: {error}") from error
+        ack = await record_label(self._feedback, audit, request, source, deadline)
         if ack["accepted"] and not ack["duplicate"]:
             self._shadows.label(request.decision_id or request.request_id, int(request.label))
         return pb.FeedbackResponse(

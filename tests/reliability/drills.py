@@ -17,12 +17,14 @@ from pathlib import Path
 
 from riskserve.audit import AuditTrail
 
+from .flood import Flood
 from .harness import PIPELINE, fault_hang, fault_kill, fault_resume, replaced, replica_pids, wait_for
 from .load import DECISION, HANG, LABEL, LoadClient, Report
 
 __all__ = [
     "RATE",
     "Window",
+    "answer_times",
     "hang_model_replica",
     "kill_ingress_replica",
     "kill_model_replica",
@@ -225,42 +227,60 @@ def hang_model_replica(
     return report, window
 
 
+def _ms(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``values`` in ms, rounded (``None``: no values)."""
+    ordered = sorted(values)
+    return round(ordered[min(int(len(ordered) * q), len(ordered) - 1)] * 1e3, 1) if ordered else None
+
+
+def answer_times(report: Report, kind: str, within: Window) -> dict[str, object]:
+    """How long the ``Decide`` calls sent during ``within`` that ended ``kind`` took, send to answer, as
+    their client measured it: count, p50, p99 (ms)."""
+    took = [o.ended - o.sent for o in report.of("Decide") if o.kind == kind and within.holds(o.sent)]
+    return {"count": len(took), "p50_ms": _ms(took, 0.5), "p99_ms": _ms(took, 0.99)}
+
+
 def overload(
     target: str, *, app: str = PIPELINE, seconds: float = 6.0, flood: int = 600, seed: int = 4
 ) -> tuple[Report, Window]:
-    """A flood of ``flood`` calls always in flight (far past what the ingress replicas take at once) beside
-    the steady load, for ``seconds``.
+    """A flood of ``flood`` calls always in flight (far past what the ingress replicas take at once), from a
+    process of its own (:class:`~tests.reliability.flood.Flood`), beside the steady load, for ``seconds``.
 
     Pass rule: every flood call ends in a decision or RESOURCE_EXHAUSTED (never UNAVAILABLE, never a hang;
     DEADLINE_EXCEEDED only if its 2 s deadline truly ran out); the steady load's calls end in decisions,
     RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED during the flood, and only in decisions from 3 s after it.
+    Promptness is measured on the steady client (not the flood's, whose own workers delay its answers):
+    its refusals during the flood, send to RESOURCE_EXHAUSTED, p50 under half the flood's deadline.
     """
     with _steady(target, app, seed) as load:
         time.sleep(SETTLE_S)
-        started = time.monotonic()
-        with LoadClient(target, pipeline=app, rate=1, deadline_s=2.0, retries=0, channels=8, seed=seed + 100,
-                        concurrency=flood) as flooding:  # fmt: skip
+        with Flood(
+            target, pipeline=app, workers=flood, channels=8, deadline_s=2.0, seed=seed + 100
+        ) as flooding:
             time.sleep(seconds)
-        window = Window("overload", started, time.monotonic())
+        window = Window("overload", flooding.started, time.monotonic())
         time.sleep(SETTLE_S + 3.0)
     flooded, report = flooding.report(), load.report()
     _no_hang(flooded)
     _no_hang(report)
     assert set(flooded.kinds()) <= {DECISION, "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, flooded.summary()
     assert flooded.kinds()["RESOURCE_EXHAUSTED"] > 0, flooded.summary()
-    refused = [o for o in flooded.of("Decide") if o.kind == "RESOURCE_EXHAUSTED"]
-    refusal_ms = sorted((o.ended - o.sent) * 1e3 for o in refused)
     after = [o for o in report.outcomes if o.sent > window.ended + 3.0]
     assert after, "no steady load after the flood"
     assert [o for o in after if o.kind not in (DECISION, LABEL)] == [], report.summary()
     during = report.failures({DECISION, "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"})
     assert during == [], report.summary()
+    refusals = answer_times(report, "RESOURCE_EXHAUSTED", window)
     figures = {
         "flood": flooded.summary(),
         "steady": report.summary(),
-        "refusal_ms_p50": round(refusal_ms[len(refusal_ms) // 2], 1),
-        "refusal_ms_p99": round(refusal_ms[int(len(refusal_ms) * 0.99)], 1),
-        "decisions_per_s_flood": round(flooded.kinds()[DECISION] / (window.ended - started), 1),
+        "steady_refusals": refusals,
+        "steady_decisions_during": answer_times(report, DECISION, window),
+        "flood_refusals": answer_times(flooded, "RESOURCE_EXHAUSTED", window),
+        "flood_decisions": answer_times(flooded, DECISION, window),
+        "decisions_per_s_flood": round(flooded.kinds()[DECISION] / (window.ended - window.started), 1),
     }
     record_figures("overload", figures)
+    p50 = refusals["p50_ms"]
+    assert not isinstance(p50, float) or p50 < 1000.0, f"refusals not prompt: {figures}"
     return report, window

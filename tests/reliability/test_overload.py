@@ -1,9 +1,9 @@
-"""Overload past capacity, on a real ``riskserve up``: a flood of 600 calls always in flight beside the steady
-load, against ingress replicas that take 16 decisions at once and queue 16 more each, with a fraud model that
-takes 50 ms a call (``fault_injection``: the real model, slowed on purpose). A load generator on the same
-2 cores cannot outrun a real model's replicas (it starves itself first, see RELIABILITY.md), so the capacity
-is made small instead: what is past it must be refused promptly with RESOURCE_EXHAUSTED, and the steady load
-must decide again within seconds after."""
+"""Overload past capacity, on a real ``riskserve up``: a flood of 600 calls always in flight, from a process
+of its own (``tests/reliability/flood.py``), beside the steady load, against ingress replicas that take 16
+decisions at once and queue 16 more each, with a fraud model that takes 50 ms a call (``fault_injection``:
+the real model, slowed on purpose), so that the flood is surely past capacity on 2 shared cores. What is
+past it must be refused promptly with RESOURCE_EXHAUSTED (measured on the steady client's refusals), and the
+steady load must decide again within seconds after. The soak floods the default limits."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 one fault of each kind at a random time (``RISKSERVE_SOAK_SEED`` picks them; it is printed): ``kill -9`` of a
 model replica, ``kill -9`` of an ingress replica, a hung (SIGSTOPped) model replica, and a flood past
 capacity. Pass rule: zero failures outside the fault windows (every request a decision or an acknowledged
-label, no fallback, no retry), the fault windows within their drill's allowed set, no hang, every
-acknowledged label kept, and the memory (RSS) and file descriptors of every riskserve/Ray process flat."""
+label, no fallback, no retry), the fault windows within their drill's allowed set, no hang, the flood
+refused (RESOURCE_EXHAUSTED) at least once at the default limits, every acknowledged label kept, and the
+memory (RSS) and file descriptors of every riskserve/Ray process flat."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from .drills import LABEL_EVERY, RATE, RECOVERY_S, SETTLE_S, Window, record_figures, unrecorded
+from .drills import LABEL_EVERY, RATE, RECOVERY_S, SETTLE_S, Window, answer_times, record_figures, unrecorded
+from .flood import Flood
 from .harness import (
     Running,
     TreeUse,
@@ -73,12 +75,10 @@ def _hang() -> Window:
     return Window("SIGSTOP model-fraud", started, time.monotonic())
 
 
-def _flood(target: str, seed: int) -> tuple[Window, LoadClient]:
-    started = time.monotonic()
-    with LoadClient(target, pipeline="tabular_only", rate=1, deadline_s=2.0, retries=0, channels=8,
-                    seed=seed, concurrency=600) as flood:  # fmt: skip
+def _flood(target: str, seed: int) -> tuple[Window, Flood]:
+    with Flood(target, pipeline="tabular_only", workers=600, channels=8, deadline_s=2.0, seed=seed) as flood:
         time.sleep(FLOOD_S)
-    return Window("overload", started, time.monotonic()), flood
+    return Window("overload", flood.started, time.monotonic()), flood
 
 
 def _allowed(window: Window, outcome: Outcome) -> bool:
@@ -117,7 +117,7 @@ def test_a_soak_with_one_fault_of_each_kind_at_random_times_loses_nothing_and_st
 
     sampler = threading.Thread(target=sample, daemon=True)
     windows: list[Window] = []
-    floods: list[LoadClient] = []
+    floods: list[Flood] = []
     with LoadClient(
         soaked.target, pipeline="tabular_only", rate=RATE, label_every=LABEL_EVERY, seed=seed
     ) as load:
@@ -159,6 +159,7 @@ def test_a_soak_with_one_fault_of_each_kind_at_random_times_loses_nothing_and_st
     again = load.relabel(report)
     lost = [o for o in again if not (o.kind == LABEL and o.duplicate)]
     flood_kinds = {k: v for f in floods for k, v in f.report().kinds().items()}
+    flooded = list(zip(floods, [w for w in windows if w.fault == "overload"], strict=True))
     decisions_lost = unrecorded(soaked.feedback_log, report)
     figures = {
         "seed": seed,
@@ -173,6 +174,8 @@ def test_a_soak_with_one_fault_of_each_kind_at_random_times_loses_nothing_and_st
         },
         "summary": report.summary(),
         "flood": flood_kinds,
+        "flood_refusals": [answer_times(f.report(), "RESOURCE_EXHAUSTED", w) for f, w in flooded],
+        "steady_refusals": [answer_times(report, "RESOURCE_EXHAUSTED", w) for _, w in flooded],
         "labels_acknowledged": len(again),
         "labels_lost": len(lost),
         "decisions_unrecorded": decisions_lost,
@@ -191,5 +194,6 @@ def test_a_soak_with_one_fault_of_each_kind_at_random_times_loses_nothing_and_st
     assert lost == [], f"{len(lost)} acknowledged labels lost"
     assert decisions_lost == 0, "decisions answered but never reached the feedback log"
     assert set(flood_kinds) <= {DECISION, "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, flood_kinds
+    assert flood_kinds.get("RESOURCE_EXHAUSTED", 0) > 0, f"the flood was never refused: {flood_kinds}"
     assert final.total_rss <= baseline.total_rss * (1 + MAX_GROWTH), figures
     assert final.total_fds <= baseline.total_fds * (1 + MAX_GROWTH), figures

@@ -1,6 +1,8 @@
 """Overload at the front door is a prompt RESOURCE_EXHAUSTED, never a queue that outlives its deadlines:
-calls past ``max_concurrent_calls`` are refused by grpc before any handler runs, and while the event loop
-runs behind (``max_loop_lag_ms``) new decisions are refused until it catches up."""
+calls past ``max_concurrent_calls`` are refused by grpc before any handler runs, while calls reach the
+handlers having waited in a queue that stands in front of them (``max_queue_wait_ms``) those that waited
+are refused, and while the event loop runs behind (``max_loop_lag_ms``) new decisions are refused until it
+catches up."""
 
 from __future__ import annotations
 
@@ -48,7 +50,9 @@ class HeldPipeline:
     async def describe(self) -> pb.DescribeResponse:
         return pb.DescribeResponse(pipeline=NAME)
 
-    async def feedback(self, request: pb.FeedbackRequest, caller: Caller | None) -> pb.FeedbackResponse:
+    async def feedback(
+        self, request: pb.FeedbackRequest, caller: Caller | None, deadline: float
+    ) -> pb.FeedbackResponse:
         return pb.FeedbackResponse(accepted=True)
 
 
@@ -132,3 +136,58 @@ def test_decisions_are_refused_while_the_event_loop_runs_behind_and_admitted_onc
         watcher.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_standing_queue_in_front_of_the_handlers_is_seen_and_a_burst_is_not() -> None:
+    admission = Admission(16, 16, max_wait_s=0.25)
+    t = 1000.0
+    for at, waited in ((0.0, 0.4), (0.05, 0.3), (0.1, 0.01)):  # a burst after a stall drains in its interval
+        admission.arrived(waited, t + at)
+    admission.arrived(0.5, t + 0.201)  # the next interval begins: the last one's least wait stands
+    assert admission.standing_s == 0.01
+    for at, waited in ((0.25, 0.6), (0.3, 0.55), (0.35, 0.7)):  # every call of an interval waited long
+        admission.arrived(waited, t + at)
+    admission.arrived(0.65, t + 0.402)
+    assert admission.standing_s == 0.5
+    admission.arrived(0.65, t + 1.5)  # no call for a whole interval: no queue
+    assert admission.standing_s == 0.0
+
+
+def test_while_a_queue_stands_the_decisions_that_waited_in_it_are_refused_and_prompt_ones_admitted() -> None:
+    """Through the real front door: the calls' waits are what their ``riskserve-timeout-ms`` budget says
+    beyond their gRPC deadline (fault injected: a budget 20 s longer reads as a 20 s wait in front of the
+    replica), the intervals by an injected clock."""
+
+    async def scenario() -> list[str]:
+        now = [0.0]
+        pipeline = HeldPipeline()
+        settings = FrontDoorSpec.model_validate({"port": 1}).model_copy(update={"port": 0})
+        front = FrontDoor(pipeline, settings, Admission(16, 16, max_wait_s=0.25, clock=lambda: now[0]))
+        port = await front.start()
+        outcomes = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.RiskPipelineStub(channel)  # type: ignore[no-untyped-call]
+
+                async def decide(budget_ms: int) -> str:
+                    metadata = (("application", NAME), ("riskserve-timeout-ms", str(budget_ms)))
+                    try:
+                        await stub.Decide(pb.DecideRequest(request_id="r"), metadata=metadata, timeout=10)
+                    except grpc.aio.AioRpcError as error:
+                        return f"{error.code().name}: {error.details()}"
+                    return "OK"
+
+                outcomes.append(await decide(30_000))  # the first interval: nothing seen to stand yet
+                now[0] = 0.3
+                outcomes.append(await decide(30_000))  # the interval that ended had only calls that waited
+                outcomes.append(await decide(10_000))  # this one came in at once: decided
+                now[0] = 0.55
+                outcomes.append(await decide(30_000))  # its interval had a prompt call: the queue drained
+        finally:
+            await front.stop(0)
+        return outcomes
+
+    first, refused, prompt, drained = asyncio.run(scenario())
+    assert (first, prompt, drained) == ("OK", "OK", "OK")
+    assert refused.startswith("RESOURCE_EXHAUSTED: overloaded: calls wait 20")
+    assert "max_queue_wait_ms 250" in refused

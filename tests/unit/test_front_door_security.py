@@ -73,7 +73,9 @@ class EchoPipeline:
     async def describe(self) -> pb.DescribeResponse:
         return pb.DescribeResponse(pipeline=self.name)
 
-    async def feedback(self, request: pb.FeedbackRequest, caller: Caller | None) -> pb.FeedbackResponse:
+    async def feedback(
+        self, request: pb.FeedbackRequest, caller: Caller | None, deadline: float
+    ) -> pb.FeedbackResponse:
         self.labels.append((request.feedback_id, label_source(request.source, caller)))
         return pb.FeedbackResponse(accepted=True, seq=len(self.labels))
 
