@@ -44,7 +44,9 @@ class _Instant:
     async def describe(self) -> pb.DescribeResponse:
         return pb.DescribeResponse()
 
-    async def feedback(self, request: pb.FeedbackRequest, caller: Caller | None) -> pb.FeedbackResponse:
+    async def feedback(
+        self, request: pb.FeedbackRequest, caller: Caller | None, deadline: float
+    ) -> pb.FeedbackResponse:
         return pb.FeedbackResponse()
 
 
