@@ -670,7 +670,7 @@ def _bars(axis: Any, names: Sequence[str], series: dict[str, list[float]], title
         offsets = [i - 0.4 + width * (k + 0.5) for i in range(len(names))]
         bars = axis.bar(offsets, values, width, label=label)
         axis.bar_label(bars, labels=[f"{v:.0f}" if v >= 100 else f"{v:.3g}" for v in values], fontsize=8)
-    axis.set_xticks(list(range(len(names))), names)
+    axis.set_xticks(list(range(len(names))), names, rotation=25, ha="right")  # long names: no overlap
     axis.set_title(title)
     axis.set_ylabel(unit)
     axis.grid(True, axis="y", alpha=0.3)
