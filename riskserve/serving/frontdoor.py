@@ -324,10 +324,14 @@ class _Service(pb_grpc.RiskPipelineServicer):
         responses = await self._decide(list(request.requests), context, "DecideBatch")
         return pb.DecideBatchResponse(responses=responses or [])
 
-    async def _simple(self, call: Callable[[], Awaitable[Any]], empty: Any, context: Any) -> Any:
+    async def _simple(
+        self, call: Callable[[dict[str, str]], Awaitable[Any]], empty: Any, context: Any
+    ) -> Any:
+        """Route the call by its metadata, then run ``call`` with that metadata (parsed once)."""
         try:
-            self._route(_metadata(context))
-            return await call()
+            metadata = _metadata(context)
+            self._route(metadata)
+            return await call(metadata)
         except Exception as error:
             self._failed(error, None, context)
             return empty
@@ -335,16 +339,16 @@ class _Service(pb_grpc.RiskPipelineServicer):
     async def Describe(self, request: pb.DescribeRequest, context: Any) -> pb.DescribeResponse:  # noqa: N802
         """The pipeline's features and models with their serving versions."""
         response: pb.DescribeResponse = await self._simple(
-            self._pipeline.describe, pb.DescribeResponse(), context
+            lambda _: self._pipeline.describe(), pb.DescribeResponse(), context
         )
         return response
 
     async def Feedback(self, request: pb.FeedbackRequest, context: Any) -> pb.FeedbackResponse:  # noqa: N802
         """The true outcome of a past decision; answered once the label is durable."""
 
-        async def record() -> pb.FeedbackResponse:
+        async def record(metadata: dict[str, str]) -> pb.FeedbackResponse:
             check_feedback_request(request, self._limits)
-            deadline, _ = self._deadline(_metadata(context), context)
+            deadline, _ = self._deadline(metadata, context)
             return await self._pipeline.feedback(request, current_caller(), deadline)
 
         response: pb.FeedbackResponse = await self._simple(record, pb.FeedbackResponse(), context)
