@@ -2,9 +2,10 @@
 
 In one process, no Ray (models placed in the ingress run in process anyway), on the demo models:
 
-* per-row cost of each model's exact contributions at batch 1 / 8 / 64: the logistic regression from its
-  coefficients, and XGBoost ``pred_contribs`` on the served booster with 1 and 2 threads (the compiled
-  library cannot give contributions);
+* per-row cost of each model's exact contributions at batch 1 / 8 / 64 / 1000: the logistic regression
+  from its coefficients, the trees as served (the per-leaf tables of ``riskserve/wrappers/treeshap.py``,
+  or XGBoost where the loader's gate kept it), and XGBoost ``pred_contribs`` on the served booster with 1
+  and 2 threads (the compiled library cannot give contributions);
 * the decision flow of ``tabular_only`` (features, both models, rules, response) for one DECLINE and one
   APPROVE per call, with the pipeline's ``reasons`` section and without it: the difference is the cost a
   declined decision pays, and an APPROVE pays nothing.
@@ -105,26 +106,38 @@ def _contributions(runners: dict[str, Any], repeats: int) -> dict[str, Any]:
 
     x_all = tabular_features(generate_transactions(512, seed=99))
     out: dict[str, Any] = {}
-    for batch in (1, 8, 64):
-        x = np.ascontiguousarray(x_all[:batch])
-        fraud = summary(time_calls(lambda: runners["fraud"].contributions(x), repeats=repeats), batch)
-        credit = summary(time_calls(lambda: runners["credit"].contributions(x), repeats=repeats), batch)
-        booster = runners["credit"]._current().host.model._engine.booster  # the served booster itself
+    engine = runners["credit"]._current().host.model._engine  # the served engine itself
+    booster = engine.booster
+    for batch in (1, 8, 64, 1000):
+        x = np.ascontiguousarray(np.resize(x_all, (batch, x_all.shape[1])))
+        calls = repeats if batch < 1000 else max(repeats // 10, 5)
+        fraud = summary(time_calls(lambda: runners["fraud"].contributions(x), repeats=calls), batch)
+        credit = summary(time_calls(lambda: runners["credit"].contributions(x), repeats=calls), batch)
+        xgb_calls = max(calls // 5, 5)
+        one = summary(
+            time_calls(lambda: booster.predict(xgboost.DMatrix(x, nthread=1), pred_contribs=True),
+                       repeats=xgb_calls),
+            batch,
+        )  # fmt: skip
         booster.set_param({"nthread": 2})
         two = summary(
             time_calls(lambda: booster.predict(xgboost.DMatrix(x, nthread=2), pred_contribs=True),
-                       repeats=repeats),
+                       repeats=xgb_calls),
             batch,
         )  # fmt: skip
         booster.set_param({"nthread": 1})
         out[str(batch)] = {
             "lr_us_per_row": fraud["median_us"] / batch,
-            "xgb_treeshap_1thread_us_per_row": credit["median_us"] / batch,
+            "trees_served_us_per_row": credit["median_us"] / batch,
+            "trees_served_by": engine.details["explainer"],
+            "xgb_treeshap_1thread_us_per_row": one["median_us"] / batch,
             "xgb_treeshap_2threads_us_per_row": two["median_us"] / batch,
         }
-        print(f"batch {batch:>3}: LR {out[str(batch)]['lr_us_per_row']:8.1f} µs/row   XGBoost TreeSHAP "
-              f"1 thread {out[str(batch)]['xgb_treeshap_1thread_us_per_row']:8.1f} µs/row, 2 threads "
-              f"{out[str(batch)]['xgb_treeshap_2threads_us_per_row']:8.1f} µs/row")  # fmt: skip
+        row = out[str(batch)]
+        print(f"batch {batch:>4}: LR {row['lr_us_per_row']:7.1f} µs/row   trees as served "
+              f"({row['trees_served_by']}) {row['trees_served_us_per_row']:7.1f} µs/row   XGBoost TreeSHAP "
+              f"1 thread {row['xgb_treeshap_1thread_us_per_row']:7.1f}, 2 threads "
+              f"{row['xgb_treeshap_2threads_us_per_row']:7.1f} µs/row")  # fmt: skip
     return out
 
 

@@ -171,6 +171,11 @@ class BaseModel(abc.ABC, Generic[InputT, SettingsT]):
         so callers on an event loop run it in a worker thread when it is not cheap."""
         raise NotImplementedError(f"{type(self).__name__} gives no contributions")
 
+    def contributions_us_per_row(self) -> float:
+        """What :meth:`contributions` costs a row, in microseconds, as measured in ``bench/reasons.py``:
+        callers on an event loop run small batches there and the rest in a worker thread."""
+        return float("inf")
+
     async def unload(self) -> None:
         """Release what ``load`` acquired. The default has nothing to release."""
 

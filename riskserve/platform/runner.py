@@ -318,6 +318,11 @@ class ModelRunner:
         loaded = self._loaded
         return loaded is not None and loaded.host.model.explains
 
+    def contributions_us_per_row(self) -> float:
+        """What the serving version's :meth:`contributions` costs a row (infinite when it gives none)."""
+        loaded = self._loaded
+        return loaded.host.model.contributions_us_per_row() if loaded is not None else float("inf")
+
     def contributions(self, matrix: FeatureMatrix) -> Contributions:
         """Exact attributions of the serving version's margins to the columns it reads (blocking: a
         caller on an event loop decides whether it is cheap enough to run there).

@@ -154,8 +154,8 @@ class DecisionFlow:
     ) -> dict[int, list[Reason]]:
         """The reasons of the rows whose outcome the pipeline explains (none: nothing is computed).
 
-        Microseconds of coefficients run here; trees' TreeSHAP in a worker thread. A failure costs the
-        reasons, never the decision (logged and counted).
+        A few rows run here (tens of microseconds each), larger batches in a worker thread. A failure
+        costs the reasons, never the decision (logged and counted).
         """
         explainer = self.explainer
         if explainer is None or stage.matrix is None:
@@ -168,7 +168,7 @@ class DecisionFlow:
         rows = [stage.rows[i] for i in wanted]
         results = [decided[i][1] for i in wanted]
         try:
-            if explainer.inline:
+            if explainer.inline_for(len(wanted)):
                 computed = explainer.explain(matrix, rows, results)
             else:
                 computed = await asyncio.to_thread(explainer.explain, matrix, rows, results)

@@ -29,7 +29,11 @@ from riskserve.platform.validation import FeatureMatrix
 from riskserve.schema.pipeline import PipelineSpec, ReasonsSpec
 from riskserve.schema.rules import ModelResult
 
-__all__ = ["Reason", "ReasonExplainer", "field_map"]
+__all__ = ["INLINE_BUDGET_US", "Reason", "ReasonExplainer", "field_map"]
+
+INLINE_BUDGET_US = 500.0
+"""Reasons estimated to cost more than this run in a worker thread: one declined row (~80 µs of tree
+tables and coefficients) stays on the event loop, a large batch leaves it."""
 
 
 @dataclass(frozen=True)
@@ -86,11 +90,14 @@ class ReasonExplainer:
         self._column_fields = spec.features.column_fields()
         self._fields = [name for name in spec.features.fields if name != spec.features.text_field]
         self._maps: dict[tuple[str, tuple[str, ...]], NDArray[np.float64]] = {}
-        self.inline = all(runner.kind == "sklearn" for runner in self._tabular.values())
-        """Whether the work is microseconds (coefficients only) and may run on the event loop; trees'
-        TreeSHAP takes about a millisecond a row and runs in a worker thread."""
         self.rows_explained = 0
         """Rows this explainer computed reasons for (tests prove an APPROVE costs nothing)."""
+
+    def inline_for(self, rows: int) -> bool:
+        """Whether explaining ``rows`` rows costs at most :data:`INLINE_BUDGET_US` and may run on the event
+        loop (a thread hop costs more); asked per call, since a swap may change what a model costs."""
+        cost = sum(runner.contributions_us_per_row() for runner in self._tabular.values())
+        return cost * rows <= INLINE_BUDGET_US
 
     def wanted(self, outcome: str) -> bool:
         """Whether decisions of ``outcome`` carry reasons."""

@@ -80,13 +80,17 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
     def contributions(self, batch: FeatureMatrix) -> Contributions:
         """Exact TreeSHAP contributions (XGBoost's ``pred_contribs``) of the serving version, in log-odds.
 
-        Computed by XGBoost on the booster read from the same verified model file the library was
-        compiled from; about a millisecond a row for the demo's 200 trees (``bench/reasons.py``), so
-        callers on an event loop run it in a worker thread. Per row they sum, with the bias, to XGBoost's
-        ``predict(output_margin=True)``.
+        From the per-leaf tables (:mod:`riskserve.wrappers.treeshap`) when the loader's gate found them
+        equal to XGBoost's (under 0.1 ms a row for the demo's 200 trees), else from XGBoost itself on the
+        booster read from the same verified model file (about a millisecond a row; ``bench/reasons.py``).
+        Per row they sum, with the bias, to XGBoost's ``predict(output_margin=True)``.
         """
         engine = self._require_engine()
         rows = check_feature_matrix(batch, engine.feature_names)
+        if engine.shap is not None:
+            values = engine.shap.contributions(rows)
+            bias = np.full(rows.shape[0], engine.shap.bias, dtype=np.float64)
+            return Contributions(values, bias, tuple(engine.feature_names), engine.version)
         if engine.booster is None:
             raise ModelUnavailable(f"model '{self.name}' keeps no booster to explain with")
         try:
@@ -100,6 +104,11 @@ class TreeliteModel(BaseModel[FeatureMatrix, TreeliteSettings]):
         return Contributions(
             np.ascontiguousarray(out[:, :-1]), out[:, -1].copy(), tuple(engine.feature_names), engine.version
         )
+
+    def contributions_us_per_row(self) -> float:
+        """About 80 µs a row from the tables, 1,000 from XGBoost (``bench/reasons.py``, 200 trees)."""
+        engine = self._engine
+        return 80.0 if engine is not None and engine.shap is not None else 1000.0
 
     def predict_sync(self, batch: FeatureMatrix) -> NDArray[np.float64]:
         """Blocking :meth:`predict` for benchmarks and worker threads: validated, locked, float64 ``(n,)``."""

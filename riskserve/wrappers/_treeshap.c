@@ -1,0 +1,121 @@
+/* Exact TreeSHAP of a tree ensemble from per-leaf tables: the kernel of riskserve.wrappers.treeshap.
+ *
+ * A leaf's Shapley contributions to the k distinct features on its path depend on the row only through
+ * which of those features the row "follows" (every split of that feature on the path goes the path's way):
+ * one bit each, so 2^k cases, tabulated once per model in Python (treeshap.py). Per row this kernel
+ * evaluates every split once, forms each leaf's bit pattern from its path and adds the tabulated values:
+ * no recursion, no allocation per leaf, and the GIL is released for the whole batch.
+ *
+ * Every index array is checked by the Python builder before it reaches this file; the kernel checks only
+ * the buffer sizes it is handed, so a wrong call raises instead of reading out of bounds.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum {
+    B_X, B_NODE_FEATURE, B_NODE_THRESHOLD, B_NODE_DEFAULT_LEFT, B_PATH_START, B_PATH_NODE, B_PATH_LEFT,
+    B_PATH_SLOT, B_SLOT_START, B_SLOT_FEATURE, B_TABLE_START, B_TABLE, B_OUT, B_COUNT
+};
+
+static int sized(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t count, const char *name) {
+    if (count < 0 || buffer->len != itemsize * count) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd", name, buffer->len, itemsize * count);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *contributions(PyObject *self, PyObject *args) {
+    Py_buffer b[B_COUNT];
+    Py_ssize_t rows, features, nodes, leaves, paths, slots, table_size;
+    memset(b, 0, sizeof(b));
+    if (!PyArg_ParseTuple(
+            args, "nnnnnnny*y*y*y*y*y*y*y*y*y*y*y*w*", &rows, &features, &nodes, &leaves, &paths, &slots,
+            &table_size, &b[B_X], &b[B_NODE_FEATURE], &b[B_NODE_THRESHOLD], &b[B_NODE_DEFAULT_LEFT],
+            &b[B_PATH_START], &b[B_PATH_NODE], &b[B_PATH_LEFT], &b[B_PATH_SLOT], &b[B_SLOT_START],
+            &b[B_SLOT_FEATURE], &b[B_TABLE_START], &b[B_TABLE], &b[B_OUT])) {
+        for (int i = 0; i < B_COUNT; i++) {
+            if (b[i].obj != NULL) PyBuffer_Release(&b[i]);
+        }
+        return NULL;
+    }
+    PyObject *result = NULL;
+    unsigned char *decisions = NULL;
+    if (!(sized(&b[B_X], 4, rows * features, "x") && sized(&b[B_NODE_FEATURE], 4, nodes, "node_feature") &&
+          sized(&b[B_NODE_THRESHOLD], 4, nodes, "node_threshold") &&
+          sized(&b[B_NODE_DEFAULT_LEFT], 1, nodes, "node_default_left") &&
+          sized(&b[B_PATH_START], 8, leaves + 1, "path_start") && sized(&b[B_PATH_NODE], 4, paths, "path_node") &&
+          sized(&b[B_PATH_LEFT], 1, paths, "path_left") && sized(&b[B_PATH_SLOT], 1, paths, "path_slot") &&
+          sized(&b[B_SLOT_START], 8, leaves + 1, "slot_start") &&
+          sized(&b[B_SLOT_FEATURE], 4, slots, "slot_feature") && sized(&b[B_TABLE_START], 8, leaves, "table_start") &&
+          sized(&b[B_TABLE], 8, table_size, "table") && sized(&b[B_OUT], 8, rows * features, "out"))) {
+        goto done;
+    }
+    decisions = (unsigned char *)malloc(nodes > 0 ? (size_t)nodes : 1);
+    if (decisions == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {
+        const float *x = (const float *)b[B_X].buf;
+        const int32_t *node_feature = (const int32_t *)b[B_NODE_FEATURE].buf;
+        const float *node_threshold = (const float *)b[B_NODE_THRESHOLD].buf;
+        const unsigned char *node_default_left = (const unsigned char *)b[B_NODE_DEFAULT_LEFT].buf;
+        const int64_t *path_start = (const int64_t *)b[B_PATH_START].buf;
+        const int32_t *path_node = (const int32_t *)b[B_PATH_NODE].buf;
+        const unsigned char *path_left = (const unsigned char *)b[B_PATH_LEFT].buf;
+        const unsigned char *path_slot = (const unsigned char *)b[B_PATH_SLOT].buf;
+        const int64_t *slot_start = (const int64_t *)b[B_SLOT_START].buf;
+        const int32_t *slot_feature = (const int32_t *)b[B_SLOT_FEATURE].buf;
+        const int64_t *table_start = (const int64_t *)b[B_TABLE_START].buf;
+        const double *table = (const double *)b[B_TABLE].buf;
+        double *out = (double *)b[B_OUT].buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            const float *row = x + r * features;
+            double *phi = out + r * features;
+            memset(phi, 0, sizeof(double) * (size_t)features);
+            for (Py_ssize_t m = 0; m < nodes; m++) {
+                float value = row[node_feature[m]];
+                decisions[m] = isnan(value) ? node_default_left[m] : (unsigned char)(value < node_threshold[m]);
+            }
+            for (Py_ssize_t leaf = 0; leaf < leaves; leaf++) {
+                int64_t first = slot_start[leaf];
+                int64_t k = slot_start[leaf + 1] - first;
+                if (k == 0) continue;
+                uint32_t missed = 0;
+                for (int64_t p = path_start[leaf]; p < path_start[leaf + 1]; p++) {
+                    if (decisions[path_node[p]] != path_left[p]) missed |= (uint32_t)1 << path_slot[p];
+                }
+                uint32_t pattern = (((uint32_t)1 << k) - 1) & ~missed;
+                const double *values = table + table_start[leaf] + (int64_t)pattern * k;
+                for (int64_t u = 0; u < k; u++) phi[slot_feature[first + u]] += values[u];
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    free(decisions);
+    for (int i = 0; i < B_COUNT; i++) PyBuffer_Release(&b[i]);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"contributions", contributions, METH_VARARGS,
+     "contributions(rows, features, nodes, leaves, paths, slots, table_size, x, node_feature, "
+     "node_threshold, node_default_left, path_start, path_node, path_left, path_slot, slot_start, "
+     "slot_feature, table_start, table, out): fill out (rows x features, float64) with TreeSHAP values."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_treeshap",
+                                    "Exact TreeSHAP from per-leaf tables (see treeshap.py).", -1, methods};
+
+PyMODINIT_FUNC PyInit__treeshap(void) { return PyModule_Create(&module); }
