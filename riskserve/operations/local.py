@@ -315,7 +315,7 @@ def up_local(
             raise ModelUnavailable(
                 f"riskserve exited while starting (code {process.returncode}); {log_path}:\n{tail}"
             )
-        time.sleep(0.5)
+        time.sleep(0.1)
     os.killpg(process.pid, signal.SIGKILL)
     raise ModelUnavailable(
         f"{', '.join(s.name for s in specs)} not ready after {timeout_s:.0f} s; see {log_path}"
@@ -334,7 +334,7 @@ def down(timeout_s: float = 90.0) -> LocalState:
     os.kill(state.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and _alive(state.pid):
-        time.sleep(0.3)
+        time.sleep(0.05)
     if _alive(state.pid):
         os.killpg(state.pid, signal.SIGKILL)
     (state_dir() / "state.json").unlink(missing_ok=True)
