@@ -149,6 +149,7 @@ class Labels:
         for i in range(start, start + count):
             request_id, feedback_id, label = f"req-{i}", f"fb-{i}", int(self.tx.is_fraud[i])
             deadline = time.monotonic() + retry_s
+            retried = False
             while True:
                 try:
                     ack = self.client.feedback(
@@ -158,9 +159,12 @@ class Labels:
                 except RiskServeError:
                     if time.monotonic() > deadline:
                         raise
+                    retried = True
                     time.sleep(0.2)
             assert ack.accepted
-            if not ack.duplicate:
+            # A retry is a duplicate when the failed call before it had recorded the label (only its
+            # answer was lost): this acknowledgement is the label's first, and it is learned once.
+            if not ack.duplicate or (retried and feedback_id not in self.seqs):
                 self.acked.append((request_id, feedback_id, label))
             self.seqs.setdefault(feedback_id, ack.seq)
 

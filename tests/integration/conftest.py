@@ -35,11 +35,20 @@ from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 from ..conftest import PIPELINES
 from ..sockets import listening_sockets
 
+_HANDED_OUT: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now and never handed out before in this session: two pipelines given the same
+    port would share it (the front door binds with ``SO_REUSEPORT``), and the kernel can pick a port
+    again once the probing socket is closed."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,11 @@ def serve_cluster() -> Iterator[ServeCluster]:
         _metrics_export_port=metrics_port,
     )
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
+    # Serve's client waits for a deploy or a delete by asking the controller once a second; the session
+    # deploys some forty applications, so ask every 50 ms instead (what is waited for is unchanged).
+    import ray.serve._private.client as serve_client
+
+    serve_client.CLIENT_POLLING_INTERVAL_S = 0.05
     try:
         yield ServeCluster(metrics_port=metrics_port)
     finally:
@@ -151,21 +165,40 @@ def deploy(spec: PipelineSpec) -> None:
     serve.run(build_application(spec), name=spec.name, route_prefix=None)
 
 
+RUN_NEXT = {"test_hotswap.py": "test_pipeline_grpc.py"}
+"""Modules run right after another one, which leaves an application deployed for them (``LEAVE_DEPLOYED``)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Move each module of :data:`RUN_NEXT` right behind the module it follows (the order is otherwise
+    unchanged)."""
+    for first, then in RUN_NEXT.items():
+        moved = [item for item in items if item.path.name == then]
+        rest = [item for item in items if item.path.name != then]
+        ends = [i for i, item in enumerate(rest) if item.path.name == first]
+        if moved and ends:
+            items[:] = rest[: ends[-1] + 1] + moved + rest[ends[-1] + 1 :]
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _delete_apps_after_module() -> Iterator[None]:
-    """Each test module deletes the pipelines it deployed, so the session's cluster never fills up."""
+def _delete_apps_after_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test module deletes the pipelines it deployed, so the session's cluster never fills up.
+
+    A module's ``LEAVE_DEPLOYED`` names applications it leaves to the module :data:`RUN_NEXT` runs after
+    it, which deploys its own version over them: Serve then restarts only the deployments whose code or
+    arguments changed (a replica of the LLM, the slowest to start, is kept)."""
     yield
     import ray
 
     if ray.is_initialized():
         from ray import serve
 
-        remaining = set(serve.status().applications)
+        remaining = set(serve.status().applications) - set(getattr(request.module, "LEAVE_DEPLOYED", ()))
         for name in remaining:
             serve.delete(name, _blocking=False)
         deadline = time.monotonic() + 120
         while remaining and time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.05)
             applications = serve.status().applications
             for name in list(remaining):
                 app = applications.get(name)

@@ -61,6 +61,9 @@ LOAD_THREADS = 4
 INGRESS_REPLICAS = 2
 HOLD_MS = 12_000
 """How long the in-flight test holds a decision in the model, well past a swap (a few seconds)."""
+LEAVE_DEPLOYED = ("card_fraud",)
+"""test_pipeline_grpc runs next and deploys card_fraud over this one: its LLM replica is kept (same
+arguments), the ingress and feedback replicas restart (see ``RUN_NEXT`` in conftest)."""
 
 
 @pytest.fixture(scope="module")
