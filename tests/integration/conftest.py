@@ -165,6 +165,19 @@ def deploy(spec: PipelineSpec) -> None:
     serve.run(build_application(spec), name=spec.name, route_prefix=None)
 
 
+SESSION_APPS = frozenset({"tabular_only"})
+"""Applications deployed once per session (:func:`tabular_only`), never deleted after a module."""
+
+
+@pytest.fixture(scope="session")
+def tabular_only(serve_cluster: ServeCluster, demo_models: Path) -> PipelineSpec:
+    """The shipped tabular_only as :func:`pipeline_on` makes it, deployed once for the session: the modules
+    that only decide on it (and count calls by difference) share it instead of each deploying a copy."""
+    spec = pipeline_on("tabular_only.yaml", demo_models)
+    deploy(spec)
+    return spec
+
+
 RUN_NEXT = {"test_hotswap.py": "test_pipeline_grpc.py"}
 """Modules run right after another one, which leaves an application deployed for them (``LEAVE_DEPLOYED``)."""
 
@@ -193,7 +206,8 @@ def _delete_apps_after_module(request: pytest.FixtureRequest) -> Iterator[None]:
     if ray.is_initialized():
         from ray import serve
 
-        remaining = set(serve.status().applications) - set(getattr(request.module, "LEAVE_DEPLOYED", ()))
+        remaining = set(serve.status().applications) - SESSION_APPS
+        remaining -= set(getattr(request.module, "LEAVE_DEPLOYED", ()))
         for name in remaining:
             serve.delete(name, _blocking=False)
         deadline = time.monotonic() + 120

@@ -238,4 +238,4 @@ class PrometheusServer:
                 raise PrometheusError(
                     f"{expr!r} still {result!r} after {timeout_s:.0f} s; targets {health}\n{self.log_tail()}"
                 )
-            time.sleep(0.5)
+            time.sleep(0.1)

@@ -28,14 +28,15 @@ REQUEST = pb.DecideRequest(
 
 
 @pytest.fixture(scope="module")
-def specs(serve_cluster: ServeCluster, demo_models: Path) -> dict[str, PipelineSpec]:
-    inline = pipeline_on("tabular_only.yaml", demo_models, name="tabular_inline")  # the defaults
+def specs(
+    serve_cluster: ServeCluster, demo_models: Path, tabular_only: PipelineSpec
+) -> dict[str, PipelineSpec]:
+    """``inline``: the defaults (the session's tabular_only); ``staged``: a feature-stage deployment."""
     staged = pipeline_on(
         "tabular_only.yaml", demo_models, name="tabular_staged", serving={"feature_stage": "deployment"}
     )
-    for spec in (inline, staged):
-        deploy(spec)
-    return {spec.name: spec for spec in (inline, staged)}
+    deploy(staged)
+    return {"inline": tabular_only, "staged": staged}
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +83,11 @@ def test_no_feature_deployment_by_default_and_the_same_decisions(
 
     from riskserve.schema.deployments import deployment_names
 
-    inline, staged = specs["tabular_inline"], specs["tabular_staged"]
+    inline, staged = specs["inline"], specs["staged"]
     assert inline.serving.feature_stage == "ingress"
     applications = serve.status().applications
-    assert set(applications["tabular_inline"].deployments) == {"ingress"}
-    assert set(applications["tabular_staged"].deployments) == {"ingress", "features"}
+    assert set(applications[inline.name].deployments) == {"ingress"}
+    assert set(applications[staged.name].deployments) == {"ingress", "features"}
     for spec in (inline, staged):
         assert set(applications[spec.name].deployments) == set(deployment_names(spec).values())
     inline_stub, staged_stub = stubs(inline), stubs(staged)
@@ -113,7 +114,7 @@ def test_no_feature_deployment_by_default_and_the_same_decisions(
 def test_encoded_once_per_call_and_the_models_score_it_in_the_ingress_process(
     specs: dict[str, PipelineSpec], stubs: Callable[[PipelineSpec], pb_grpc.RiskPipelineStub]
 ) -> None:
-    spec = specs["tabular_inline"]
+    spec = specs["inline"]
     ingress = _handle(spec.name)
     before = ingress.feature_stats.remote().result()
     calls_before = {name: ingress.model_status.remote(name).result().calls for name in MODELS}
@@ -172,7 +173,7 @@ def test_models_in_their_own_deployments_read_one_buffer_the_ingress_shared(
 def test_bad_input_is_refused_in_the_ingress_naming_the_field(
     specs: dict[str, PipelineSpec], stubs: Callable[[PipelineSpec], pb_grpc.RiskPipelineStub]
 ) -> None:
-    spec = specs["tabular_inline"]
+    spec = specs["inline"]
     ingress = _handle(spec.name)
     calls_before = {name: ingress.model_status.remote(name).result().calls for name in MODELS}
     request = pb.DecideRequest(

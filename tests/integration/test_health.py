@@ -123,14 +123,12 @@ def test_not_serving_until_every_model_is_ready(
     assert _model_status("health_slow", "fraud").ready
 
 
-def test_the_front_door_is_riskserves_own_server_not_rays_proxy(
-    serve_cluster: ServeCluster, demo_models: Path
-) -> None:
-    """Ray Serve's proxy is gone: its Healthz is not on the pipeline's port; health and reflection are."""
+def test_the_front_door_is_riskserves_own_server_not_rays_proxy(tabular_only: PipelineSpec) -> None:
+    """Ray Serve's proxy is gone: its Healthz is not on the pipeline's port; health and reflection are.
+    (The session's tabular_only: a pipeline as deployed by default.)"""
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    spec = pipeline_on("tabular_only.yaml", demo_models, name="health_door")
-    deploy(spec)
+    spec = tabular_only
     with channel(spec) as chan:
         healthz = chan.unary_unary(
             "/ray.serve.RayServeAPIService/Healthz",
@@ -146,4 +144,4 @@ def test_the_front_door_is_riskserves_own_server_not_rays_proxy(
     names = {s.name for s in answer.list_services_response.service}
     assert {"riskserve.v1.RiskPipeline", "grpc.health.v1.Health"} <= names
     assert not any(name.startswith("ray.") for name in names)
-    assert _check(spec, "health_door") == SERVING
+    assert _check(spec, spec.name) == SERVING

@@ -216,7 +216,7 @@ def _settle(fetch: Callable[[], T], done: Callable[[T], bool], timeout_s: float 
         answer = fetch()
         if done(answer) or time.monotonic() >= deadline:
             return answer
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def _equal(fetch: Callable[[], T], expected: T) -> T:

@@ -275,6 +275,7 @@ def _probe_app(spec: PipelineSpec) -> Any:
             name=name,
             ray_actor_options=actor_options(spec, pool, num_cpus, num_gpus),
             graceful_shutdown_timeout_s=1,
+            graceful_shutdown_wait_loop_s=0.2,  # as riskserve's own deployments: no 2 s wait at shutdown
             **options,
         )
 
@@ -295,6 +296,7 @@ def _probe_app(spec: PipelineSpec) -> Any:
     ingress = serve.deployment(PipelineProbe).options(
         name="ingress",
         graceful_shutdown_timeout_s=1,
+        graceful_shutdown_wait_loop_s=0.2,
         ray_actor_options=actor_options(
             spec, spec.stage_pool(spec.serving.ingress), spec.serving.ingress.num_cpus
         ),
