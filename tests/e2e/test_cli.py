@@ -52,6 +52,10 @@ def tabular_yaml(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) ->
         model["artifact"] = str(demo_models / name)
         model["timeout_ms"] = 20_000  # values are checked: a loaded CI machine must not cause fallbacks
     data["audit"] = {"path": str(tmp_path_factory.mktemp("audit"))}
+    # One ingress replica: this module starts it three times (up, and up again twice in the swap test);
+    # what a swap or a publish does to every one of several replicas is test_hotswap's and
+    # test_online_learning's (two each), the default two test_closed_by_default's.
+    data["serving"] = {"ingress": {"replicas": 1}}
     path = tmp_path_factory.mktemp("pipelines") / "tabular_only.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
