@@ -114,7 +114,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
     )
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
     # Serve's client waits for a deploy or a delete by asking the controller once a second; the session
-    # deploys some forty applications, so ask every 50 ms instead (what is waited for is unchanged).
+    # deploys a few dozen applications, so ask every 50 ms instead (what is waited for is unchanged).
     import ray.serve._private.client as serve_client
 
     serve_client.CLIENT_POLLING_INTERVAL_S = 0.05
