@@ -215,3 +215,11 @@ def test_a_model_that_fell_back_or_was_swapped_since_gives_no_reasons(pipeline: 
     assert models_named(credit=served["credit"], fraud=fell_back) == {"credit"}
     swapped = ModelResult("fraud", "another-version", 0.9)
     assert models_named(credit=served["credit"], fraud=swapped) == {"credit"}
+
+
+def test_a_declined_row_is_explained_on_the_event_loop_and_a_large_batch_in_a_thread(
+    pipeline: Pipeline,
+) -> None:
+    assert pipeline.runners["credit"].contributions_us_per_row() < 1000.0  # the tables, not XGBoost
+    assert pipeline.explainer.inline_for(1)
+    assert not pipeline.explainer.inline_for(1000)
