@@ -1,6 +1,7 @@
 """One metrics vocabulary for every model and pipeline, exported through Ray's metrics pipeline.
 
-Every metric is a ``ray.serve.metrics`` Counter, Histogram or Gauge. A replica records into its own
+Every metric is a ``ray.serve.metrics`` Counter or Gauge; a histogram is three gauges (below). A replica
+records into its own
 process; Ray's core worker sends the values to the node's metrics agent every
 ``metrics_report_interval_ms`` (10 s by default) and the agent serves them in Prometheus text format on the
 node's *metrics export port* (``http://NODE:PORT/metrics``). Inside a Serve replica Serve adds the
@@ -11,9 +12,18 @@ Names as Prometheus sees them (observed on Ray 2.60's ``/metrics`` page): Ray pu
 custom metric, and a counter gets ``_total`` after it, so the counter declared here as
 ``riskserve_decisions`` is scraped as ``ray_riskserve_decisions_total`` and the histogram
 ``riskserve_decision_latency_seconds`` as ``ray_riskserve_decision_latency_seconds_bucket`` / ``_count`` /
-``_sum``. :attr:`MetricSpec.exported` gives the exact name of each one. A histogram's ``_bucket`` and
-``_count`` are exact; its ``_sum`` is not: Ray's agent rebuilds it from bucket midpoints, so quantiles come
-from ``histogram_quantile`` over buckets, and ``_sum / _count`` is only a rough mean.
+``_sum``. :attr:`MetricSpec.exported` gives the exact name of each one.
+
+Histograms are kept here and exported as gauges. Each process keeps every histogram series' cumulative
+bucket counts, sum and count, and sets them on three Ray gauges, ``NAME_bucket`` (tags plus ``le``),
+``NAME_sum`` and ``NAME_count``: Prometheus scrapes the same names, labels (``le`` as Ray's agent writes
+it: ``"0.005"``, ``"1.0"``, ``"+Inf"``) and cumulative values a Ray histogram gives, so ``histogram_quantile``
+and ``rate(..._count[...])`` work unchanged; only the ``# TYPE`` line says ``gauge`` instead of
+``histogram``, and ``_sum`` is now exact (Ray's agent rebuilt it from bucket midpoints). Why: Ray 2.60's
+agent replays every observation of a Ray histogram, one Python call each, at every report interval (about
+1 s of CPU every 10 s at 450 decisions/s on two cores); a gauge costs it one call per series. Each process
+exports its own series (Serve's ``replica`` tag and Ray's ``WorkerId`` tell them apart), so replicas never
+overwrite one another, and a restarted replica starts again at 0 like any counter.
 
 Model level (tags ``model``, ``kind`` and, where relevant, ``version``, ``outcome``, ``reason``)::
 
@@ -60,11 +70,11 @@ tests run the real code path; :func:`recorded` reads back what this process reco
 metric objects instead would not do: Serve's ``Histogram`` unpickles as a plain ``ray.util.metrics``
 histogram, without Serve's tags.)
 
-Gauges: Ray 2.60's metrics agent drops a gauge series that no report has refreshed for two of its report
-intervals, and a worker reports only gauges set since its last report: a gauge set once (a breaker that
-stays open, the serving version) vanishes from ``/metrics`` after ~20 s (2 s at a 1 s interval). This module
-therefore keeps the last value of every gauge series of the process and sets them again from a daemon thread
-every half report interval.
+Gauges (histograms included): Ray 2.60's metrics agent drops a gauge series that no report has refreshed
+for two of its report intervals, and a worker reports only gauges set since its last report: a gauge set
+once (a breaker that stays open, the serving version) vanishes from ``/metrics`` after ~20 s (2 s at a 1 s
+interval). This module therefore keeps the last value of every gauge series of the process, and every
+histogram series, and sets them again from a daemon thread every half report interval.
 
 Where the endpoint is: :func:`metrics_export_port` (this node). Ray always runs the agent: on
 ``ray.init(_metrics_export_port=PORT)`` or ``ray start --metrics-export-port=PORT``, else on a free port it
@@ -76,6 +86,7 @@ MS}`` changes the workers' cadence but not the agent's gauge TTL.
 from __future__ import annotations
 
 import atexit
+import bisect
 import collections
 import contextlib
 import logging
@@ -422,6 +433,61 @@ def _report_interval_s() -> float:
     return max(interval_ms, 1000.0) / 1000.0
 
 
+_HISTOGRAM_PARTS: Final = ("_bucket", "_sum", "_count")
+"""The gauges a histogram is exported as, by the suffix Prometheus gives a histogram's series."""
+
+
+def _le(bound: float) -> str:
+    """A bucket's ``le`` label exactly as Ray 2.60's agent writes a Ray histogram's (``str`` of the float:
+    ``0.0001``, ``0.005``, ``1.0``, ``4096.0``), so stored series and queries pinning ``le`` stay the same."""
+    return str(float(bound))
+
+
+_INF_LE: Final = "+Inf"
+
+
+class _Histogram:
+    """One histogram series of this process: per-bucket counts (the last one past every bound), sum, count.
+
+    ``low`` is the lowest bucket observed since the last export: the cumulative buckets below it did not
+    change, so an export sets only the ones from ``low`` up.
+    """
+
+    __slots__ = ("bounds", "buckets", "count", "low", "spec", "total")
+
+    def __init__(self, spec: MetricSpec) -> None:
+        self.spec = spec
+        self.bounds = spec.boundaries
+        self.buckets = [0.0] * (len(self.bounds) + 1)
+        self.total = 0.0
+        self.count = 0.0
+        self.low = len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        index = bisect.bisect_left(self.bounds, value)  # ``le``: a value equal to a bound is in its bucket
+        self.buckets[index] += 1.0
+        self.total += value
+        self.count += 1.0
+        self.low = min(self.low, index)
+
+    def cumulative(self) -> list[float]:
+        """The ``_bucket`` values, one per bound then ``+Inf``: observations at or below each bound."""
+        running, out = 0.0, []
+        for count in self.buckets:
+            running += count
+            out.append(running)
+        return out
+
+
+def _part(spec: MetricSpec, suffix: str) -> MetricSpec:
+    """The gauge that exports one part (``_bucket``, ``_sum``, ``_count``) of a histogram."""
+    tag_keys = (*spec.tag_keys, "le") if suffix == "_bucket" else spec.tag_keys
+    return MetricSpec(spec.name + suffix, "gauge", spec.description, tag_keys)
+
+
+_Setter = Callable[[float], None]
+
+
 class _Registry:
     """This process's Ray metric objects, the last value of each gauge series and a local tally."""
 
@@ -441,7 +507,10 @@ class _Registry:
         self._flusher: threading.Thread | None = None
         self._flush_lock = threading.Lock()
         self._flush_failed = False
-        self._recorders: dict[tuple[str, _Tags], Callable[[float], None]] = {}
+        self._histograms: dict[tuple[str, _Tags], _Histogram] = {}
+        self._histogram_setters: dict[tuple[str, _Tags], tuple[list[_Setter], _Setter, _Setter] | None] = {}
+        self._histogram_lock = threading.Lock()
+        """Held by whoever sets histogram gauges (flusher, refresher): a value never goes back in time."""
 
     def _metric(self, spec: MetricSpec) -> Any:
         metric = self._metrics.get(spec.name)
@@ -456,12 +525,7 @@ class _Registry:
             elif spec.type == "gauge":
                 metric = serve_metrics.Gauge(spec.name, description=spec.description, tag_keys=spec.tag_keys)
             else:
-                metric = serve_metrics.Histogram(
-                    spec.name,
-                    description=spec.description,
-                    boundaries=list(spec.boundaries),
-                    tag_keys=spec.tag_keys,
-                )
+                raise TypeError(f"{spec.name}: a histogram is exported as gauges (see _part), not made")
             self._metrics[spec.name] = metric
         return metric
 
@@ -514,69 +578,105 @@ class _Registry:
 
     def flush(self) -> None:
         """Hand what was recorded since the last flush to Ray: one ``inc`` per counter series (the sum),
-        each histogram observation as it was. Ray reports to its agent every report interval anyway, so
-        the request path pays a deque append instead of Ray's tag checks and a C++ call per record."""
+        and for each histogram series observed, its cumulative buckets, sum and count as gauges. Ray
+        reports to its agent every report interval anyway, so the request path pays a deque append instead
+        of Ray's tag checks and a C++ call per record, and the agent sees one value per series and bucket
+        however many observations there were."""
         with self._flush_lock:
             sums: dict[tuple[MetricSpec, _Tags], float] = {}
-            observed: list[tuple[MetricSpec, _Tags, float]] = []
-            while True:
-                try:
-                    spec, tags, value = self._pending.popleft()
-                except IndexError:
-                    break
-                if spec.type == "counter":
-                    sums[(spec, tags)] = sums.get((spec, tags), 0.0) + value
-                else:
-                    observed.append((spec, tags, value))
+            observed: dict[tuple[str, _Tags], MetricSpec] = {}
+            with self._histogram_lock:
+                while True:
+                    try:
+                        spec, tags, value = self._pending.popleft()
+                    except IndexError:
+                        break
+                    if spec.type == "counter":
+                        sums[(spec, tags)] = sums.get((spec, tags), 0.0) + value
+                        continue
+                    key = (spec.name, tags)
+                    histogram = self._histograms.get(key)
+                    if histogram is None:
+                        histogram = self._histograms[key] = _Histogram(spec)
+                    histogram.observe(value)
+                    observed[key] = spec
             with self._lock:  # Ray's metric objects are made once, under the registry's lock
-                metrics = {spec.name: self._metric(spec) for spec, _ in sums} | {
-                    spec.name: self._metric(spec) for spec, _, _ in observed
-                }
+                metrics = {spec.name: self._metric(spec) for spec, _ in sums}
             try:
                 for (spec, tags), total in sums.items():
                     metrics[spec.name].inc(total, tags=dict(tags))
-                for spec, tags, value in observed:
-                    record = self._recorder(spec, tags, metrics[spec.name])
-                    if record is not None:
-                        record(value)
+                if observed:
+                    with self._lock:
+                        self._start_refresher()
+                    with self._histogram_lock:
+                        for (_, tags), spec in observed.items():
+                            self._export(spec, tags, everything=False)
             except Exception:
                 if not self._flush_failed:
                     self._flush_failed = True
                     logger.exception("riskserve metrics: handing records to Ray failed")
 
-    def _recorder(self, spec: MetricSpec, tags: _Tags, metric: Any) -> Callable[[float], None] | None:
-        """The cheapest call that records one observation of a histogram series (flusher thread only).
+    def _export(self, spec: MetricSpec, tags: _Tags, everything: bool) -> None:
+        """Set one histogram series' gauges: the buckets that changed (``everything``: all), sum, count.
 
-        Ray's ``observe`` merges and checks the series' tags and looks up Serve's request context on every
-        call: a third of the flusher's time under load, for tags that never change. Each observation
-        calls the recorder Ray's own ``observe`` ends in, with the tags Ray computes for the series
-        (Serve's replica tags included), checked once here.
-        ``None``: Ray discards the metric (an invalid name).
+        Under the histogram lock. ``len(boundaries) + 3`` Ray calls at most, however many observations.
         """
         key = (spec.name, tags)
-        cached = self._recorders.get(key)
-        if cached is not None:
-            return cached
-        native = getattr(metric, "_metric", None)
-        final = getattr(metric, "_get_final_tags", None)
-        if getattr(metric, "_discard_metric", False):
+        histogram = self._histograms[key]
+        setters = self._setters(spec, tags)
+        low, histogram.low = (0 if everything else histogram.low), len(histogram.buckets)
+        if setters is None:
+            return
+        buckets, total, count = setters
+        cumulative = histogram.cumulative()
+        for index in range(low, len(cumulative)):
+            buckets[index](cumulative[index])
+        total(histogram.total)
+        count(histogram.count)
+
+    def _setters(self, spec: MetricSpec, tags: _Tags) -> tuple[list[_Setter], _Setter, _Setter] | None:
+        """The calls that set one histogram series' gauges, built once per series (None: Ray discards it)."""
+        key = (spec.name, tags)
+        if key in self._histogram_setters:
+            return self._histogram_setters[key]
+        with self._lock:
+            bucket, total, count = (self._metric(_part(spec, suffix)) for suffix in _HISTOGRAM_PARTS)
+        les = [*(_le(bound) for bound in spec.boundaries), _INF_LE]
+        bucket_setters = [self._setter(bucket, (*tags, ("le", le))) for le in les]
+        total_setter, count_setter = self._setter(total, tags), self._setter(count, tags)
+        setters: tuple[list[_Setter], _Setter, _Setter] | None = None
+        if total_setter and count_setter and all(bucket_setters):
+            setters = ([s for s in bucket_setters if s], total_setter, count_setter)
+        self._histogram_setters[key] = setters
+        return setters
+
+    @staticmethod
+    def _setter(gauge: Any, tags: _Tags) -> _Setter | None:
+        """The cheapest call that sets one series of a Ray gauge (flusher and refresher only).
+
+        Ray's ``set`` merges and checks the series' tags and looks up Serve's request context on every
+        call, for tags that never change: this calls the recorder Ray's own ``set`` ends in, with the tags
+        Ray computes for the series (Serve's replica tags included), checked once here.
+        ``None``: Ray discards the metric (an invalid name).
+        """
+        if getattr(gauge, "_discard_metric", False):
             return None
+        native = getattr(gauge, "_metric", None)
+        final = getattr(gauge, "_get_final_tags", None)
         if native is None or final is None or not hasattr(native, "record"):  # another Ray: the public API
+            plain = dict(tags)
 
             def public(value: float) -> None:
-                metric.observe(value, tags=dict(tags))
+                gauge.set(value, tags=dict(plain))
 
-            recorder: Callable[[float], None] = public
-        else:
-            merged = dict(final(dict(tags)))
-            metric._validate_tags(merged)  # raises as observe would, once
+            return public
+        merged = dict(final(dict(tags)))
+        gauge._validate_tags(merged)  # raises as set would, once
 
-            def direct(value: float) -> None:
-                native.record(value, tags=merged)
+        def direct(value: float) -> None:
+            native.record(value, tags=merged)
 
-            recorder = direct
-        self._recorders[key] = recorder
-        return recorder
+        return direct
 
     def set_gauge(self, spec: MetricSpec, tags: Mapping[str, str], value: float, keep: bool = True) -> None:
         """Set a gauge series; ``keep``: re-send it until :meth:`forget` (else it ages out of Ray's agent)."""
@@ -621,6 +721,7 @@ class _Registry:
         """Re-send every kept gauge series with its last value.
 
         Under the lock every set takes, so a re-send never overwrites a newer value with an older one.
+        Then every histogram series, all its gauges, under the lock the flusher sets them under.
         """
         with self._lock:
             for (name, tags), value in self._gauges.items():
@@ -630,6 +731,14 @@ class _Registry:
                     if not self._refresh_failed:
                         self._refresh_failed = True
                         logger.exception("riskserve metrics: re-sending gauge %s failed", name)
+        with self._histogram_lock:
+            for (name, tags), histogram in self._histograms.items():
+                try:
+                    self._export(histogram.spec, tags, everything=True)
+                except Exception:
+                    if not self._refresh_failed:
+                        self._refresh_failed = True
+                        logger.exception("riskserve metrics: re-sending histogram %s failed", name)
 
 
 _registry_lock = threading.Lock()

@@ -339,6 +339,13 @@ def test_histogram_counts_equal_the_calls(prometheus: PrometheusServer, recorded
         lambda got: all(got.get(key) == value for key, value in latency_expected.items()),
     )
     assert {key: latency.get(key) for key in latency_expected} == latency_expected
+    # ``le`` is the very string Ray's agent wrote for a Ray histogram ("1.0", "0.0025"), so a query or a
+    # stored series that pins one still matches: riskserve exports histograms as gauges with these labels.
+    one_row = {CREDIT: 1.0, FRAUD: 1.0}  # the first call, one row, both models answered
+    pinned = f'sum by (model) ({MODEL_BATCH_ROWS.exported}_bucket{{{MODELS},le="1.0"}})'
+    assert _equal(lambda: prometheus.values(pinned, by="model"), one_row) == one_row
+    pinned = f'sum by (model) ({MODEL_LATENCY.exported}_bucket{{{MODELS},le="0.0025"}})'
+    assert _equal(lambda: prometheus.values(pinned, by="model"), OK_CALLS) == OK_CALLS
     p99_query = f"histogram_quantile(0.99, sum by (le) ({MODEL_LATENCY.exported}_bucket{{{MODELS}}}))"
     p99 = _settle(lambda: prometheus.scalar(p99_query), lambda value: value is not None)
     assert p99 is not None
@@ -346,7 +353,8 @@ def test_histogram_counts_equal_the_calls(prometheus: PrometheusServer, recorded
 
 
 def test_gauges_outlive_the_report_interval(prometheus: PrometheusServer, recorded: dict[str, float]) -> None:
-    """Ray's agent drops a gauge its worker stops re-sending after two report intervals: ours are re-sent.
+    """Ray's agent drops a gauge its worker stops re-sending after two report intervals: ours are re-sent,
+    histograms included (they are exported as gauges).
 
     Without the re-sending every gauge here would be gone by then: the worker reports it within one of its
     intervals, and the agent keeps it for two of *its* intervals, which only RAY_metrics_report_interval_ms
@@ -364,6 +372,11 @@ def test_gauges_outlive_the_report_interval(prometheus: PrometheusServer, record
         (
             lambda: _by2(prometheus, f"{MODEL_VERSION_INFO.exported}{{{MODELS}}}", "model", "version"),
             {(CREDIT, "v1"): 0, (CREDIT, "v2"): 1, (FRAUD, "f1"): 1},
+        ),
+        (lambda: _by(prometheus, f"{MODEL_LATENCY.exported}_count{{{MODELS}}}", "model"), OK_CALLS),
+        (
+            lambda: _by(prometheus, f'{MODEL_BATCH_ROWS.exported}_bucket{{{MODELS},le="+Inf"}}', "model"),
+            OK_CALLS,
         ),
     ]
     for fetch, expected in checks:
