@@ -129,9 +129,9 @@ def build_tree_shap(model: Mapping[str, Any]) -> TreeShap:
         tree_info = booster["model"].get("tree_info", [0] * len(trees))
         num_target = int(learner["learner_model_param"].get("num_target", "1"))
         num_class = int(learner["learner_model_param"].get("num_class", "0"))
+    except UnsupportedModel:
+        raise
     except (KeyError, TypeError, ValueError) as error:
-        if isinstance(error, UnsupportedModel):
-            raise
         raise UnsupportedModel(f"unreadable model document: {error!r}") from error
     if num_target != 1 or num_class > 1 or any(int(group) != 0 for group in tree_info):
         raise UnsupportedModel("more than one output")
@@ -206,7 +206,6 @@ def _read_tree(
         raise UnsupportedModel(f"tree {number}: arrays of different lengths")
     if any(split_types):
         raise UnsupportedModel(f"tree {number}: categorical splits")
-    split_of: dict[int, int] = {}
     # (node, path so far, distinct features in order, their zero fractions)
     stack: list[tuple[int, list[tuple[int, bool, int]], list[int], list[float]]] = [(0, [], [], [])]
     visited = 0
@@ -229,7 +228,6 @@ def _read_tree(
         if covers[node] <= 0.0:
             raise UnsupportedModel(f"tree {number}: node {node} has no cover")
         split = len(node_feature)
-        split_of[node] = split
         node_feature.append(feature)
         node_threshold.append(conditions[node])
         node_default_left.append(1 if default_left[node] else 0)
