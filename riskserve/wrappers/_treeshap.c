@@ -4,7 +4,8 @@
  * which of those features the row "follows" (every split of that feature on the path goes the path's way):
  * one bit each, so 2^k cases, tabulated once per model in Python (treeshap.py). Per row this kernel
  * evaluates every split once, forms each leaf's bit pattern from its path and adds the tabulated values:
- * no recursion, no allocation per leaf, and the GIL is released for the whole batch.
+ * no recursion, no allocation per leaf, and the GIL is released for the whole batch. Rows go in blocks,
+ * so a leaf's path and table are read once per block.
  *
  * Every index array is checked by the Python builder before it reaches this file; the kernel checks only
  * the buffer sizes it is handed, so a wrong call raises instead of reading out of bounds.
@@ -17,6 +18,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Rows evaluated together; their split decisions for every node fit in L2 (nodes x BLOCK bytes,
+ * stored node by node so that one node's decisions for the block's rows are contiguous). */
+#define BLOCK 32
+/* Fewer rows than this go one at a time (a block of one compiles to the plain per-row loops). */
+#define SMALL 4
+
 enum {
     B_X, B_NODE_FEATURE, B_NODE_THRESHOLD, B_NODE_DEFAULT_LEFT, B_PATH_START, B_PATH_NODE, B_PATH_LEFT,
     B_PATH_SLOT, B_SLOT_START, B_SLOT_FEATURE, B_TABLE_START, B_TABLE, B_OUT, B_COUNT
@@ -28,6 +35,60 @@ static int sized(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t count,
         return 0;
     }
     return 1;
+}
+
+/* The ensemble's arrays, as the Python builder lays them out (see treeshap.py). */
+typedef struct {
+    Py_ssize_t features, nodes, leaves;
+    const int32_t *node_feature;
+    const float *node_threshold;
+    const unsigned char *node_default_left;
+    const int64_t *path_start;
+    const int32_t *path_node;
+    const unsigned char *path_left;
+    const unsigned char *path_slot;
+    const int64_t *slot_start;
+    const int32_t *slot_feature;
+    const int64_t *table_start;
+    const double *table;
+} Ensemble;
+
+/* Adds the contributions of nb consecutive rows (x, row-major) to out, leaf by leaf: each leaf's path and
+ * table are read once for the block, and the block's bit patterns form in one vector loop. decisions holds
+ * nodes x nb bytes, one node's decisions for the block's rows side by side. */
+static inline __attribute__((always_inline)) void add_block(
+    const Ensemble *e, const float *x, int nb, unsigned char *decisions, double *out) {
+    for (Py_ssize_t m = 0; m < e->nodes; m++) {
+        const int32_t f = e->node_feature[m];
+        const float threshold = e->node_threshold[m];
+        const unsigned char fallback = e->node_default_left[m];
+        unsigned char *d = decisions + m * nb;
+        for (int j = 0; j < nb; j++) {
+            float value = x[j * e->features + f];
+            d[j] = isnan(value) ? fallback : (unsigned char)(value < threshold);
+        }
+    }
+    for (Py_ssize_t leaf = 0; leaf < e->leaves; leaf++) {
+        const int64_t first = e->slot_start[leaf];
+        const int64_t k = e->slot_start[leaf + 1] - first;
+        if (k == 0) continue;
+        uint32_t missed[BLOCK];
+        for (int j = 0; j < nb; j++) missed[j] = 0;
+        for (int64_t p = e->path_start[leaf]; p < e->path_start[leaf + 1]; p++) {
+            const unsigned char *d = decisions + (Py_ssize_t)e->path_node[p] * nb;
+            const unsigned char want = e->path_left[p];
+            const uint32_t bit = (uint32_t)1 << e->path_slot[p];
+            for (int j = 0; j < nb; j++) missed[j] |= d[j] != want ? bit : 0u;
+        }
+        const uint32_t all = ((uint32_t)1 << k) - 1;
+        const double *base = e->table + e->table_start[leaf];
+        const int32_t *slots = e->slot_feature + first;
+        for (int j = 0; j < nb; j++) {
+            const double *values = base + (int64_t)(all & ~missed[j]) * k;
+            double *phi = out + j * e->features;
+            for (int64_t u = 0; u < k; u++) phi[slots[u]] += values[u];
+        }
+    }
 }
 
 static PyObject *contributions(PyObject *self, PyObject *args) {
@@ -56,45 +117,38 @@ static PyObject *contributions(PyObject *self, PyObject *args) {
           sized(&b[B_TABLE], 8, table_size, "table") && sized(&b[B_OUT], 8, rows * features, "out"))) {
         goto done;
     }
-    decisions = (unsigned char *)malloc(nodes > 0 ? (size_t)nodes : 1);
+    decisions = (unsigned char *)malloc((size_t)(nodes > 0 ? nodes : 1) * BLOCK);
     if (decisions == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     {
+        const Ensemble e = {
+            .features = features,
+            .nodes = nodes,
+            .leaves = leaves,
+            .node_feature = (const int32_t *)b[B_NODE_FEATURE].buf,
+            .node_threshold = (const float *)b[B_NODE_THRESHOLD].buf,
+            .node_default_left = (const unsigned char *)b[B_NODE_DEFAULT_LEFT].buf,
+            .path_start = (const int64_t *)b[B_PATH_START].buf,
+            .path_node = (const int32_t *)b[B_PATH_NODE].buf,
+            .path_left = (const unsigned char *)b[B_PATH_LEFT].buf,
+            .path_slot = (const unsigned char *)b[B_PATH_SLOT].buf,
+            .slot_start = (const int64_t *)b[B_SLOT_START].buf,
+            .slot_feature = (const int32_t *)b[B_SLOT_FEATURE].buf,
+            .table_start = (const int64_t *)b[B_TABLE_START].buf,
+            .table = (const double *)b[B_TABLE].buf,
+        };
         const float *x = (const float *)b[B_X].buf;
-        const int32_t *node_feature = (const int32_t *)b[B_NODE_FEATURE].buf;
-        const float *node_threshold = (const float *)b[B_NODE_THRESHOLD].buf;
-        const unsigned char *node_default_left = (const unsigned char *)b[B_NODE_DEFAULT_LEFT].buf;
-        const int64_t *path_start = (const int64_t *)b[B_PATH_START].buf;
-        const int32_t *path_node = (const int32_t *)b[B_PATH_NODE].buf;
-        const unsigned char *path_left = (const unsigned char *)b[B_PATH_LEFT].buf;
-        const unsigned char *path_slot = (const unsigned char *)b[B_PATH_SLOT].buf;
-        const int64_t *slot_start = (const int64_t *)b[B_SLOT_START].buf;
-        const int32_t *slot_feature = (const int32_t *)b[B_SLOT_FEATURE].buf;
-        const int64_t *table_start = (const int64_t *)b[B_TABLE_START].buf;
-        const double *table = (const double *)b[B_TABLE].buf;
         double *out = (double *)b[B_OUT].buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t r = 0; r < rows; r++) {
-            const float *row = x + r * features;
-            double *phi = out + r * features;
-            memset(phi, 0, sizeof(double) * (size_t)features);
-            for (Py_ssize_t m = 0; m < nodes; m++) {
-                float value = row[node_feature[m]];
-                decisions[m] = isnan(value) ? node_default_left[m] : (unsigned char)(value < node_threshold[m]);
-            }
-            for (Py_ssize_t leaf = 0; leaf < leaves; leaf++) {
-                int64_t first = slot_start[leaf];
-                int64_t k = slot_start[leaf + 1] - first;
-                if (k == 0) continue;
-                uint32_t missed = 0;
-                for (int64_t p = path_start[leaf]; p < path_start[leaf + 1]; p++) {
-                    if (decisions[path_node[p]] != path_left[p]) missed |= (uint32_t)1 << path_slot[p];
-                }
-                uint32_t pattern = (((uint32_t)1 << k) - 1) & ~missed;
-                const double *values = table + table_start[leaf] + (int64_t)pattern * k;
-                for (int64_t u = 0; u < k; u++) phi[slot_feature[first + u]] += values[u];
+        memset(out, 0, sizeof(double) * (size_t)(rows * features));
+        if (rows < SMALL) {  /* a declined row or a few: the loops over a block of one, unrolled away */
+            for (Py_ssize_t r = 0; r < rows; r++) add_block(&e, x + r * features, 1, decisions, out + r * features);
+        } else {
+            for (Py_ssize_t r0 = 0; r0 < rows; r0 += BLOCK) {
+                const int nb = (int)(rows - r0 < BLOCK ? rows - r0 : BLOCK);
+                add_block(&e, x + r0 * features, nb, decisions, out + r0 * features);
             }
         }
         Py_END_ALLOW_THREADS

@@ -84,6 +84,16 @@ def test_tables_equal_xgboost_treeshap_and_sum_to_the_margin(features: int, dept
     np.testing.assert_allclose(values.sum(axis=1) + shap.bias, margin, rtol=0, atol=EXACT)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 31, 32, 33, 65])
+def test_every_batch_size_equals_xgboost_one_row_blocks_full_and_partial(rows: int) -> None:
+    """The kernel takes fewer than four rows one at a time and the rest in blocks of 32 (a partial block
+    last): every split of a batch must give XGBoost's values."""
+    booster = _booster(9, 6, 40, seed=69)
+    shap = build_tree_shap(_document(booster))
+    x = _rows(booster, rows, seed=rows)
+    np.testing.assert_allclose(shap.contributions(x), _xgboost_shap(booster, x)[:, :-1], rtol=0, atol=EXACT)
+
+
 def test_a_path_that_splits_one_feature_many_times_is_one_player() -> None:
     booster = _booster(2, 8, 10, seed=7)  # two features, eight levels: every path repeats a feature
     shap = build_tree_shap(_document(booster))
