@@ -29,13 +29,17 @@ def _cap(value: str, limit: int, field: str) -> None:
 
 
 def _within(request: pb.DecideRequest, limits: FrontDoorSpec) -> bool:
-    """Whether every part of ``request`` is within its cap (the fast check; no field named)."""
+    """Whether every part of ``request`` is within its cap (the fast check; no field named). A request
+    whose whole encoding fits in ``max_text_chars`` bytes holds no longer string: one C call decides it
+    without visiting the map entries."""
     text_cap = limits.max_text_chars
     numeric, categorical = request.numeric, request.categorical
+    if len(request.request_id) > limits.max_id_chars or len(numeric) + len(categorical) > limits.max_features:
+        return False
+    if request.ByteSize() <= text_cap:
+        return True
     return (
-        len(request.request_id) <= limits.max_id_chars
-        and len(request.text) <= text_cap
-        and len(numeric) + len(categorical) <= limits.max_features
+        len(request.text) <= text_cap
         and all(len(name) <= text_cap for name in numeric)
         and all(len(name) <= text_cap and len(value) <= text_cap for name, value in categorical.items())
     )

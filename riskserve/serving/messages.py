@@ -29,14 +29,26 @@ def decide_response(
     trace_id: str,
     top_reasons: Sequence[Reason] = (),
 ) -> pb.DecideResponse:
-    """A ``DecideResponse`` with one ``ModelScore`` per model, in the pipeline's model order."""
-    return pb.DecideResponse(
+    """A ``DecideResponse`` with one ``ModelScore`` per model, in the pipeline's model order.
+
+    Nested messages are added in place (``add``) and fields left at their defaults are not passed: building
+    ModelScore messages first and handing the list over copies each, about twice the time for a batch.
+    """
+    response = pb.DecideResponse(
         request_id=request_id,
         decision_id=decision_id,
         decision=decision.outcome,
         risk_score=decision.risk_score,
-        models=[
-            pb.ModelScore(
+        reasons=decision.reasons,
+        pipeline=spec.name,
+        pipeline_version=spec.version,
+        trace_id=trace_id,
+    )
+    add_score = response.models.add
+    for name in spec.models:
+        r = results[name]
+        if r.fallback or r.label:
+            add_score(
                 model=r.name,
                 version=r.version,
                 score=r.score,
@@ -45,17 +57,18 @@ def decide_response(
                 fallback_reason=r.fallback_reason,
                 latency_ms=r.latency_ms,
             )
-            for r in (results[name] for name in spec.models)
-        ],
-        reasons=decision.reasons,
-        pipeline=spec.name,
-        pipeline_version=spec.version,
-        trace_id=trace_id,
-        top_reasons=[
-            pb.Reason(field=r.field, text=r.text, contribution=r.contribution, model=r.model, value=r.value)
-            for r in top_reasons
-        ],
-    )
+        else:
+            add_score(model=r.name, version=r.version, score=r.score, latency_ms=r.latency_ms)
+    add_reason = response.top_reasons.add
+    for reason in top_reasons:
+        add_reason(
+            field=reason.field,
+            text=reason.text,
+            contribution=reason.contribution,
+            model=reason.model,
+            value=reason.value,
+        )
+    return response
 
 
 def describe_response(spec: PipelineSpec, versions: Mapping[str, str]) -> pb.DescribeResponse:
