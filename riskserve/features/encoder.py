@@ -10,6 +10,7 @@ import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -29,6 +30,8 @@ from riskserve.platform.errors import InvalidInput
 from riskserve.platform.validation import FeatureMatrix
 
 __all__ = ["EncodedBatch", "FeatureEncoder", "RawRequest", "ValidRow"]
+
+_V = TypeVar("_V")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,14 @@ class EncodedBatch:
         return [row.text for row in self.rows]
 
 
+def _filled(values: Mapping[str, _V], defaults: dict[str, _V], fields: int) -> dict[str, _V]:
+    """``values`` (checked: declared fields only, every required one) with the defaults of the fields it
+    lacks; a complete plain dict is used as it is (the request's own copy, never written to)."""
+    if len(values) == fields and type(values) is dict:
+        return values
+    return {**defaults, **values}
+
+
 def _stable_bucket(value: str, buckets: int) -> int:
     digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % buckets
@@ -80,6 +91,14 @@ class FeatureEncoder:
         self._text = spec.fields[self._text_name] if self._text_name else None
         self._index = {
             name: {v: i for i, v in enumerate(s.vocabulary)} for name, s in self._categorical.items()
+        }
+        self._numeric_names = frozenset(self._numeric)
+        self._categorical_names = frozenset(self._categorical)
+        self._required_numeric = frozenset(n for n, s in self._numeric.items() if s.required)
+        self._required_categorical = frozenset(n for n, s in self._categorical.items() if s.required)
+        self._numeric_defaults = {n: s.default for n, s in self._numeric.items() if s.default is not None}
+        self._categorical_defaults = {
+            n: s.default for n, s in self._categorical.items() if s.default is not None
         }
 
     def validate(self, request: RawRequest) -> ValidRow:
@@ -99,6 +118,63 @@ class FeatureEncoder:
             name: self._categorical_value(name, spec, request) for name, spec in self._categorical.items()
         }
         return ValidRow(numeric=numeric, categorical=categorical, text=self._text_value(request.text))
+
+    def validate_columns(self, requests: Sequence[RawRequest]) -> list[ValidRow] | None:
+        """:meth:`validate` of a batch column by column, or None: then :meth:`validate` each request.
+
+        A batch whose requests hold only declared fields of the exact types (float, str) within their
+        ranges and vocabularies gives the rows :meth:`validate` would, for about a third of the cost per
+        row (ranges in numpy, vocabularies as set operations). For any doubt about any row this returns
+        None and raises nothing: :meth:`validate` then converts what it accepts and names what it refuses.
+        """
+        numerics = [request.numeric for request in requests]
+        categoricals = [request.categorical for request in requests]
+        known_n, known_c = self._numeric_names, self._categorical_names
+        need_n, need_c = self._required_numeric, self._required_categorical
+        for numeric, categorical in zip(numerics, categoricals, strict=True):
+            keys_n, keys_c = numeric.keys(), categorical.keys()
+            if not (need_n <= keys_n <= known_n and need_c <= keys_c <= known_c):
+                return None
+        for name, spec in self._numeric.items():
+            default = spec.default
+            column = [values.get(name, default) for values in numerics]
+            if not set(map(type, column)) <= {float}:
+                return None  # an int, a bool or anything else: validate() converts or refuses it
+            array = np.array(column, dtype=np.float64)
+            if not np.isfinite(array).all():
+                return None
+            if spec.min is not None and not (array >= spec.min).all():
+                return None
+            if spec.max is not None and not (array <= spec.max).all():
+                return None
+        for name, field_spec in self._categorical.items():
+            choices = [values.get(name, field_spec.default) for values in categoricals]
+            if not set(map(type, choices)) <= {str}:
+                return None
+            if field_spec.unknown == "reject" and not set(choices) <= self._index[name].keys():
+                return None
+        texts = [request.text for request in requests]
+        if not self._texts_pass(texts):
+            return None
+        return [
+            ValidRow(
+                numeric=_filled(numeric, self._numeric_defaults, len(known_n)),
+                categorical=_filled(categorical, self._categorical_defaults, len(known_c)),
+                text=text,
+            )
+            for numeric, categorical, text in zip(numerics, categoricals, texts, strict=True)
+        ]
+
+    def _texts_pass(self, texts: list[str]) -> bool:
+        """Whether every text passes :meth:`_text_value` unchanged."""
+        if self._text is None:
+            return not any(texts)
+        assert isinstance(self._text, TextField)
+        if not set(map(type, texts)) <= {str}:
+            return False
+        if self._text.required and not all(text.strip() for text in texts):
+            return False
+        return max(map(len, texts), default=0) <= self._text.max_chars
 
     def _misplaced(self, name: str, where: str) -> str:
         if name in self.spec.fields:

@@ -12,6 +12,7 @@ import yaml
 
 from riskserve.demo.dataset import FEATURE_NAMES, generate_transactions, tabular_features
 from riskserve.features.encoder import FeatureEncoder, RawRequest
+from riskserve.features.stage import FeatureStage
 from riskserve.platform.errors import ConfigError, InvalidInput
 from riskserve.schema.pipeline import load_pipeline, parse_pipeline
 from riskserve.schema.rules import ModelResult
@@ -138,7 +139,7 @@ GOOD = {"amount": 120.0, "account_age_days": 400.0, "txn_velocity_1h": 1.0, "hou
 GOOD_CAT = {"merchant_category": "grocery", "channel": "pos"}
 
 
-@pytest.mark.parametrize(
+BAD_REQUESTS = pytest.mark.parametrize(
     ("numeric", "categorical", "text", "field", "message"),
     [
         ({k: v for k, v in GOOD.items() if k != "amount"}, GOOD_CAT, "", "amount", "required"),
@@ -151,8 +152,12 @@ GOOD_CAT = {"merchant_category": "grocery", "channel": "pos"}
         ({**GOOD, "amout": 5.0}, GOOD_CAT, "", "amout", "unknown numeric field"),
         (GOOD, {**GOOD_CAT, "amount": "5"}, "", "amount", "is a numeric field"),
         (GOOD, GOOD_CAT, "x" * 501, "text", "at most 500"),
+        ({**GOOD, "amount": True}, GOOD_CAT, "", "amount", "expected a number, got bool"),
     ],
 )
+
+
+@BAD_REQUESTS
 def test_bad_requests_name_the_field(
     numeric: dict[str, float], categorical: dict[str, str], text: str, field: str, message: str
 ) -> None:
@@ -160,6 +165,48 @@ def test_bad_requests_name_the_field(
     with pytest.raises(InvalidInput, match=message) as info:
         encoder.validate(RawRequest(numeric=numeric, categorical=categorical, text=text))
     assert info.value.field == field
+
+
+@BAD_REQUESTS
+def test_a_bad_request_in_a_large_batch_is_named_by_its_index(
+    numeric: dict[str, float],
+    categorical: dict[str, str],
+    text: str,
+    field: str,
+    message: str,
+    card_fraud_yaml: dict[str, Any],
+) -> None:
+    """A large batch is validated column by column; one bad request sends it row by row, so the error is
+    the one that request alone gets, under its index."""
+    encoder = FeatureEncoder(load_pipeline(PIPELINES / "card_fraud.yaml").features)
+    good = RawRequest(numeric=GOOD, categorical=GOOD_CAT)
+    batch = [good] * 20 + [RawRequest(numeric=numeric, categorical=categorical, text=text)] + [good] * 19
+    assert encoder.validate_columns(batch) is None
+    with pytest.raises(InvalidInput, match=message) as info:
+        FeatureStage(card_fraud_yaml["features"]).encode(batch, share=False)
+    assert info.value.field == "requests[20]"
+
+
+def test_a_batch_validated_by_columns_equals_one_validated_row_by_row() -> None:
+    encoder = FeatureEncoder(load_pipeline(PIPELINES / "card_fraud.yaml").features)
+    tx = generate_transactions(300, seed=5)
+    batch = []
+    for i in range(len(tx)):
+        request = _request(tx.row(i))
+        if i % 3 == 0:  # the optional fields left to their defaults
+            numeric = {
+                k: v for k, v in request.numeric.items() if k not in ("country_mismatch", "device_change")
+            }
+            request = RawRequest(numeric=numeric, categorical=request.categorical, text=request.text)
+        batch.append(request)
+    by_columns = encoder.validate_columns(batch)
+    assert by_columns is not None
+    assert by_columns == [encoder.validate(request) for request in batch]
+    assert by_columns[0].numeric["country_mismatch"] == 0.0
+    # An int is a number to validate() (made a float), not to the column check: the batch goes row by row.
+    with_int = [*batch[:5], RawRequest(numeric={**GOOD, "amount": 120}, categorical=GOOD_CAT)]
+    assert encoder.validate_columns(with_int) is None
+    assert encoder.validate(with_int[-1]).numeric["amount"] == 120.0
 
 
 def test_defaults_and_the_unknown_bucket() -> None:
