@@ -295,16 +295,32 @@ class DecisionEngine:
                 unsure |= value.unsure
             matched.append(value.values.tolist())
         flagged = [(name, fallbacks[name].tolist()) for name in self._fallback_order if name in fallbacks]
+        any_fallen = np.zeros(count, dtype=bool)
+        for name in self._fallback_order:
+            if name in fallbacks:
+                any_fallen |= fallbacks[name]
         risks = risk.tolist()
         unsure_rows = unsure.tolist()
+        fallen_rows = any_fallen.tolist()
+        row_hits = list(zip(*matched, strict=True)) if matched else [()] * count
+        # Outcome and reasons per pattern of matched rules, for rows with no reviewing fallback: a batch
+        # has a handful of patterns, so each is concluded once.
+        concluded: dict[tuple[bool, ...], tuple[Outcome, list[str]]] = {}
         out: list[Decision] = []
         for i, row in enumerate(rows):
             if unsure_rows[i]:  # CEL raises for this row: decide it the CEL way (REVIEW, with the reason)
                 out.append(self._decide_cel(row, {n: r[i] for n, r in per_model.items()}))
                 continue
-            hits = [rule_hits[i] for rule_hits in matched]
-            fallen = [(name, per_model[name][i]) for name, marks in flagged if marks[i]]
-            out.append(self._concluded(hits, fallen, risks[i]))
+            hits = row_hits[i]
+            if fallen_rows[i]:
+                fallen = [(name, per_model[name][i]) for name, marks in flagged if marks[i]]
+                out.append(self._concluded(hits, fallen, risks[i]))
+                continue
+            known = concluded.get(hits)
+            if known is None:
+                decision = self._concluded(hits, (), 0.0)
+                known = concluded[hits] = (decision.outcome, decision.reasons)
+            out.append(Decision(outcome=known[0], risk_score=risks[i], reasons=list(known[1])))
         return out
 
     def _batch_agrees(self, spec: RuleScope) -> bool:
