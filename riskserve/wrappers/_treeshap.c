@@ -5,7 +5,7 @@
  * one bit each, so 2^k cases, tabulated once per model in Python (treeshap.py). Per row this kernel
  * evaluates every split once, forms each leaf's bit pattern from its path and adds the tabulated values:
  * no recursion, no allocation per leaf, and the GIL is released for the whole batch. Rows go in blocks,
- * so a leaf's path and table are read once per block.
+ * so a leaf's path and table are read once per block, and a large batch is shared with a second thread.
  *
  * Every index array is checked by the Python builder before it reaches this file; the kernel checks only
  * the buffer sizes it is handed, so a wrong call raises instead of reading out of bounds.
@@ -14,6 +14,7 @@
 #include <Python.h>
 
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,8 @@
 /* Rows evaluated together; their split decisions for every node fit in L2 (nodes x BLOCK bytes,
  * stored node by node so that one node's decisions for the block's rows are contiguous). */
 #define BLOCK 32
+/* Batches of at least this many rows are shared with a second thread (a few ms of work each side). */
+#define SPLIT 64
 /* Fewer rows than this go one at a time (a block of one compiles to the plain per-row loops). */
 #define SMALL 4
 
@@ -91,6 +94,29 @@ static inline __attribute__((always_inline)) void add_block(
     }
 }
 
+/* add_block over rows rows in blocks of BLOCK. */
+static void add_rows(const Ensemble *e, const float *x, Py_ssize_t rows, unsigned char *decisions, double *out) {
+    for (Py_ssize_t r0 = 0; r0 < rows; r0 += BLOCK) {
+        const int nb = (int)(rows - r0 < BLOCK ? rows - r0 : BLOCK);
+        add_block(e, x + r0 * e->features, nb, decisions, out + r0 * e->features);
+    }
+}
+
+/* The rows one thread takes: its own decisions buffer, its own rows of out. */
+typedef struct {
+    const Ensemble *e;
+    const float *x;
+    Py_ssize_t rows;
+    unsigned char *decisions;
+    double *out;
+} Share;
+
+static void *add_share(void *arg) {
+    const Share *share = (const Share *)arg;
+    add_rows(share->e, share->x, share->rows, share->decisions, share->out);
+    return NULL;
+}
+
 static PyObject *contributions(PyObject *self, PyObject *args) {
     Py_buffer b[B_COUNT];
     Py_ssize_t rows, features, nodes, leaves, paths, slots, table_size;
@@ -117,7 +143,7 @@ static PyObject *contributions(PyObject *self, PyObject *args) {
           sized(&b[B_TABLE], 8, table_size, "table") && sized(&b[B_OUT], 8, rows * features, "out"))) {
         goto done;
     }
-    decisions = (unsigned char *)malloc((size_t)(nodes > 0 ? nodes : 1) * BLOCK);
+    decisions = (unsigned char *)malloc((size_t)(nodes > 0 ? nodes : 1) * BLOCK * 2);  /* one per thread */
     if (decisions == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -145,10 +171,18 @@ static PyObject *contributions(PyObject *self, PyObject *args) {
         memset(out, 0, sizeof(double) * (size_t)(rows * features));
         if (rows < SMALL) {  /* a declined row or a few: the loops over a block of one, unrolled away */
             for (Py_ssize_t r = 0; r < rows; r++) add_block(&e, x + r * features, 1, decisions, out + r * features);
-        } else {
-            for (Py_ssize_t r0 = 0; r0 < rows; r0 += BLOCK) {
-                const int nb = (int)(rows - r0 < BLOCK ? rows - r0 : BLOCK);
-                add_block(&e, x + r0 * features, nb, decisions, out + r0 * features);
+        } else if (rows < SPLIT) {
+            add_rows(&e, x, rows, decisions, out);
+        } else {  /* the second half of the blocks on a second thread; if none starts, this one does all */
+            const Py_ssize_t half = (rows / 2 + BLOCK - 1) / BLOCK * BLOCK;
+            Share second = {&e, x + half * features, rows - half, decisions + nodes * BLOCK, out + half * features};
+            pthread_t thread;
+            const int started = pthread_create(&thread, NULL, add_share, &second) == 0;
+            add_rows(&e, x, half, decisions, out);
+            if (started) {
+                pthread_join(thread, NULL);
+            } else {
+                add_share(&second);
             }
         }
         Py_END_ALLOW_THREADS

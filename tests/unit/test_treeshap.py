@@ -84,10 +84,10 @@ def test_tables_equal_xgboost_treeshap_and_sum_to_the_margin(features: int, dept
     np.testing.assert_allclose(values.sum(axis=1) + shap.bias, margin, rtol=0, atol=EXACT)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 31, 32, 33, 65])
-def test_every_batch_size_equals_xgboost_one_row_blocks_full_and_partial(rows: int) -> None:
-    """The kernel takes fewer than four rows one at a time and the rest in blocks of 32 (a partial block
-    last): every split of a batch must give XGBoost's values."""
+@pytest.mark.parametrize("rows", [1, 3, 4, 31, 32, 33, 63, 64, 65, 130])
+def test_every_batch_size_equals_xgboost_one_row_blocks_and_two_threads(rows: int) -> None:
+    """The kernel takes fewer than four rows one at a time, the rest in blocks of 32 (a partial block last),
+    and from 64 rows on shares the blocks with a second thread: every split must give XGBoost's values."""
     booster = _booster(9, 6, 40, seed=69)
     shap = build_tree_shap(_document(booster))
     x = _rows(booster, rows, seed=rows)
