@@ -56,6 +56,7 @@ bench: models
 	$(BIN)/python bench/models.py --models $(MODELS)
 	$(BIN)/python bench/hotpath.py --models $(MODELS)
 	$(BIN)/python bench/reasons.py --models $(MODELS)
+	$(BIN)/python bench/batch_stages.py --models $(MODELS)
 	$(BIN)/python bench/shadow.py --models $(MODELS)
 	$(BIN)/python bench/audit.py
 

@@ -88,3 +88,21 @@ def test_floor_refuses_bad_input_and_loadgen_counts_answers(floor: str) -> None:
     assert (result["ok"], result["decisions"], result["errors"]) == (40, 40, {})
     assert sum(result["outcomes"].values()) == 40
     assert result["latency_ms"]["p50"] > 0
+
+
+def test_batch_stages_quick(demo_models: Path, tmp_path: Path) -> None:
+    command = [sys.executable, str(BENCH / "batch_stages.py"), "--rows", "64", "--repeats", "2"]
+    done = subprocess.run(
+        [*command, "--models", str(demo_models), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    result = json.loads((tmp_path / "batch_stages.json").read_text())
+    assert result["rows"] == 64
+    medians = result["median_ms"]
+    for stage in ("raw", "features", "models", "rules", "responses", "flow", "floor"):
+        assert medians[stage] > 0, stage
+    assert medians["sum"] >= medians["features"] + medians["models"]
+    assert result["flow_over_floor"] == medians["flow"] / medians["floor"]
