@@ -457,8 +457,9 @@ class ServingSpec(_Strict):
     ``deployment``, a Serve deployment of its own (placed by ``serving.features``, scaled apart from the
     ingress), one Serve hop more per decision."""
     inline_rows: int = Field(default=64, ge=0, le=1_000_000)
-    """Batches up to this many rows are encoded and scored by in-ingress models on the event loop (tens of
-    µs); larger ones go to a worker thread, so the front door keeps answering other calls."""
+    """Batches up to this many rows are scored by in-ingress models on the event loop (tens of µs); larger
+    ones go to a worker thread, so the front door keeps answering other calls. (Validation and encoding,
+    pure Python that a thread cannot run beside the loop, stay on the loop up to 1,024 rows.)"""
     by_value_rows: int = Field(default=1024, ge=0, le=1_000_000)
     """A model in its own deployment gets a matrix of up to this many rows by value in the call; a larger
     one through Ray's shared-memory object store (``ray.put`` once, read without a copy). Measured here
