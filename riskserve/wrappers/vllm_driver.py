@@ -10,7 +10,7 @@ continuous batching, and between two steps the loop serves its sockets and timer
 Why not a thread of its own (as before): the engine's step is mostly Python, so it holds the GIL the
 event loop needs to take and answer calls. Each call then paid two thread hand-offs (loop to engine
 thread, engine thread back to the loop) and the GIL passed back and forth during every step; under open
-load on two cores those hand-offs added to the tail (BENCHMARKS.md, *The LLM's tail under open load*).
+load on two cores those hand-offs, not the model, made the tail (BENCHMARKS.md, *The LLM's tail*).
 """
 
 from __future__ import annotations
