@@ -11,10 +11,10 @@ sequence per label; ``prompt_logprob_token_ids`` needs the V2 model runner, whic
 CPU). The scores are the model's own next-token probabilities, not sampled.
 
 Every text of a batch, and of every concurrent batch, is its own engine request submitted at once, so
-concurrent ``predict`` calls share vLLM's continuous batching. The engine runs in this process, stepped
-on the callers' event loop (:class:`~riskserve.wrappers.vllm_driver.EngineDriver`): no inter-process hop
-and no thread hand-off per request. Texts are tokenized as they join the engine, with the artifact's
-Hugging Face tokenizer, and handed to it as token ids; the engine never tokenizes.
+concurrent ``predict`` calls share vLLM's continuous batching. The engine runs in this process, owned by
+one thread (:class:`~riskserve.wrappers.vllm_driver.EngineDriver`): no inter-process hop per request.
+Texts are tokenized on that thread with the artifact's Hugging Face tokenizer and handed to the engine as
+token ids; the engine never tokenizes.
 
 ``load`` verifies the artifact's sha256 manifest and refuses files it does not list (vLLM globs the
 directory for weights), then starts the engine from the local directory only (no hub access), with
@@ -101,8 +101,8 @@ class VLLMSettings(ModelSettings):
     with Ray), ``auto`` pins them to cores and reserves one, or an explicit list such as ``0-3``."""
     engine_process: bool = False
     """Run vLLM's engine core in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING=1``). Off, it
-    runs in the replica's process, stepped on its event loop: no ZeroMQ round trip per request (about
-    4 ms on 2 CPU cores) and one process less."""
+    runs in the replica's process, driven by one thread: no ZeroMQ round trip per request (about 4 ms on
+    2 CPU cores) and one process less."""
     max_text_chars: int = Field(default=2000, ge=1, le=100_000)
     """Longest accepted text in characters; longer ones are refused as ``InvalidInput`` naming ``text``."""
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
@@ -126,7 +126,7 @@ class _Engine:
     """One running engine and what it was started from; replaced as a whole, never mutated."""
 
     driver: EngineDriver
-    """What steps the ``vllm.v1.engine.llm_engine.LLMEngine`` on the callers' event loop."""
+    """The thread that owns the ``vllm.v1.engine.llm_engine.LLMEngine``."""
     sampling_params: Any
     """The one ``SamplingParams`` every request uses."""
     tokens_input: Any
@@ -362,8 +362,8 @@ class VLLMModel(BaseModel[Sequence[str], VLLMSettings]):
 
 
 async def _shutdown(engine: _Engine) -> None:
-    """Stop stepping the engine (failing what is in flight), then shut the engine core down (and its
-    process, with ``engine_process``), in a worker thread: both wait for work to end."""
+    """Stop the engine's thread (failing what is in flight), then the engine core (and its process, with
+    ``engine_process``), in a worker thread: both wait for work to end."""
 
     def stop() -> None:
         engine.driver.stop()
@@ -423,7 +423,7 @@ def _prompting(artifact: Artifact, tokenizer: Any) -> _Prompting:
 
 
 def _prompts(engine: _Engine, texts: list[str]) -> list[Any]:
-    """The engine prompts (token ids) of every text (as they join the engine, between two steps).
+    """The engine prompts (token ids) of every text (on the engine's thread).
 
     Raises:
         InvalidInput: a prompt longer than the engine takes, naming ``text`` and the row.
