@@ -143,7 +143,12 @@ static PyObject *contributions(PyObject *self, PyObject *args) {
           sized(&b[B_TABLE], 8, table_size, "table") && sized(&b[B_OUT], 8, rows * features, "out"))) {
         goto done;
     }
-    decisions = (unsigned char *)malloc((size_t)(nodes > 0 ? nodes : 1) * BLOCK * 2);  /* one per thread */
+    {
+        /* nodes bytes per row of a block; two blocks' worth when a second thread takes half the rows. A
+         * row or a few need only their own (a whole block's buffer would be an mmap per declined row). */
+        const Py_ssize_t width = rows >= SPLIT ? 2 * BLOCK : (rows < BLOCK ? (rows > 0 ? rows : 1) : BLOCK);
+        decisions = (unsigned char *)malloc((size_t)(nodes > 0 ? nodes : 1) * (size_t)width);
+    }
     if (decisions == NULL) {
         PyErr_NoMemory();
         goto done;

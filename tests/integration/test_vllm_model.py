@@ -1,7 +1,7 @@
 """The vLLM backend end to end on a real engine: the demo intent LLM, built here, served through ModelHost.
 
-One engine serves the whole module (starting one takes ~10 s on CPU), stepped on the one event loop the
-tests share to call it.
+One engine serves the whole module (starting one takes ~10 s on CPU), driven by its own thread; the tests
+share one event loop to call it.
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ def test_the_engine_runs_in_this_process_and_a_cancelled_call_leaves_nothing_in_
     children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == os.getpid()]
     # No vLLM engine-core process of ours ("VLLM::EngineCore", cut to 15 characters in comm).
     assert not [c for c in children if "EngineCor" in _comm(c)]
-    # More texts than one engine step takes (max_num_seqs 64): the call is still in the engine after a
-    # step, when the loop the engine is stepped on lets this coroutine run and cancel it.
+    # More texts than one engine step takes (max_num_seqs 64): the call is still in the engine, several
+    # steps long, when this coroutine sees it there and cancels it.
     texts, _ = intent_texts(4 * 64, _HELDOUT_SEED + 3)
 
     async def cancel_midway() -> int:
