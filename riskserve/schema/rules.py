@@ -294,14 +294,12 @@ class DecisionEngine:
             if value.unsure is not None:
                 unsure |= value.unsure
             matched.append(value.values.tolist())
-        flagged = [(name, fallbacks[name].tolist()) for name in self._fallback_order if name in fallbacks]
-        any_fallen = np.zeros(count, dtype=bool)
-        for name in self._fallback_order:
-            if name in fallbacks:
-                any_fallen |= fallbacks[name]
+        reviewing = [name for name in self._fallback_order if name in fallbacks]
+        flagged = [(name, fallbacks[name].tolist()) for name in reviewing]
+        reviewed = [fallbacks[name] for name in reviewing] or [np.zeros(count, dtype=bool)]
+        fallen_rows = np.logical_or.reduce(reviewed).tolist()
         risks = risk.tolist()
         unsure_rows = unsure.tolist()
-        fallen_rows = any_fallen.tolist()
         row_hits = list(zip(*matched, strict=True)) if matched else [()] * count
         # Outcome and reasons per pattern of matched rules, for rows with no reviewing fallback: a batch
         # has a handful of patterns, so each is concluded once.
