@@ -57,6 +57,7 @@ bench: models
 	$(BIN)/python bench/hotpath.py --models $(MODELS)
 	$(BIN)/python bench/reasons.py --models $(MODELS)
 	$(BIN)/python bench/batch_stages.py --models $(MODELS)
+	$(BIN)/python bench/lane_transport.py
 	$(BIN)/python bench/shadow.py --models $(MODELS)
 	$(BIN)/python bench/audit.py
 

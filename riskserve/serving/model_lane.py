@@ -1,11 +1,12 @@
-"""The direct lane: an ingress calls a model replica on its own node over loopback gRPC, not a Serve hop.
+"""The direct lane: an ingress calls a model replica on its own node over a loopback socket, not a Serve hop.
 
 A Serve handle call costs about 6 ms on a 2-core machine (router, two event loops, a Ray task each way);
-the intent LLM's own work is about 4 ms. So each model replica also serves its model on a loopback gRPC
-port of its own (the lane) and announces it in Ray's key-value store, and every ingress replica calls
-the lanes of the replicas on its node directly, with the decision's deadline. The Serve handle stays the
-path for the rest: replicas on other nodes, a matrix shared through the object store, a lane that fails
-(the call is then made through the handle), and every operator call (status, swap, verify).
+the intent LLM's own work is about 4 ms. So each model replica also serves its model on a loopback port
+of its own (the lane, framed protobuf: :mod:`~riskserve.serving.lane_wire`) and announces it in Ray's
+key-value store, and every ingress replica calls the lanes of the replicas on its node directly. The
+Serve handle stays the path for the rest: replicas on other nodes, a matrix shared through the object
+store, a lane that fails (the call is then made through the handle), and every operator call (status,
+swap, verify).
 
 A lane binds 127.0.0.1 on a port the kernel picks and answers only calls that carry its random token,
 which only Ray's key-value store holds. It admits as many calls as Serve would (``max_ongoing`` +
@@ -29,8 +30,6 @@ from typing import Any
 import grpc
 import numpy as np
 import ray
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict
 from ray import serve
@@ -40,9 +39,9 @@ from riskserve.platform.errors import InvalidInput, ModelUnavailable, Overloaded
 from riskserve.platform.runner import ModelAnswer
 from riskserve.platform.validation import FeatureMatrix
 from riskserve.proto.riskserve.internal.v1 import model_lane_pb2 as lane_pb
-from riskserve.proto.riskserve.internal.v1 import model_lane_pb2_grpc as lane_grpc
 from riskserve.serving.frontdoor import Admission
 from riskserve.serving.grpc_status import status_of
+from riskserve.serving.lane_wire import LaneConnection, LaneConnectionLost, LaneServer
 from riskserve.serving.model_replica import ModelReplica
 
 __all__ = ["LaneAddress", "LaneDown", "LaneUse", "LanedModelReplica", "Lanes"]
@@ -51,19 +50,13 @@ logger = logging.getLogger(__name__)
 
 KV_NAMESPACE = "riskserve"
 """Ray key-value namespace of the lanes' announcements."""
-TOKEN_HEADER = "x-riskserve-lane-token"
-FIELD_HEADER = "x-riskserve-field"
-"""Trailing metadata naming the field of an INVALID_ARGUMENT, so the ingress re-raises the same error."""
-VERDICT_HEADER = "x-riskserve-verdict"
-"""Trailing metadata on a status the model (not the transport) gave: UNAVAILABLE then means the model is
-unavailable, not that the lane is down."""
 DOWN_FOR_S = 5.0
 """How long a lane that failed is left alone before it is tried again."""
 PROBE_TIMEOUT_S = 0.5
-"""A lane whose health check does not answer in this time is put aside until one does (a hung replica:
+"""A lane whose ping does not answer in this time is put aside until one does (a hung replica:
 its process and sockets are alive, so only an answer tells; Serve replaces it only after its own checks)."""
 _TRACE_HEADERS = ("traceparent", "tracestate")
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_NO_DEADLINE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -103,43 +96,34 @@ def _prefix(app: str, deployment: str) -> str:
 # -- the model replica's side ------------------------------------------------------------------------------
 
 
-class _LaneService(lane_grpc.ModelLaneServicer):
-    """The lane's two RPCs, each the replica's own handler: same span, batching and checks."""
+class _LaneHandler:
+    """Answers one lane request with the replica's own handler: same span, batching and checks."""
 
     def __init__(self, replica: ModelReplica, token: str, admission: Admission) -> None:
         self._replica = replica
         self._token = token.encode()
         self._admission = admission
 
-    async def PredictTexts(self, request: lane_pb.TextsCall, context: Any) -> lane_pb.ModelReply:  # noqa: N802
-        texts = list(request.texts)
-        return await self._answer(context, lambda trace: self._replica.predict_texts(texts, trace))
-
-    async def PredictFeatures(self, request: lane_pb.FeaturesCall, context: Any) -> lane_pb.ModelReply:  # noqa: N802
-        def call(trace: dict[str, str]) -> Any:
-            matrix = _matrix_of(request)
-            return self._replica.predict_features(matrix, trace)
-
-        return await self._answer(context, call)
-
-    async def _answer(self, context: Any, call: Any) -> lane_pb.ModelReply:
-        metadata = dict(context.invocation_metadata())
-        given = str(metadata.get(TOKEN_HEADER, "")).encode()
-        if not hmac.compare_digest(given, self._token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid lane token")
-        trace = {key: str(metadata[key]) for key in _TRACE_HEADERS if key in metadata}
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + (remaining if remaining is not None else 60.0)
+    async def __call__(self, request: lane_pb.LaneRequest) -> lane_pb.LaneResponse:
+        if not hmac.compare_digest(request.token.encode(), self._token):
+            return lane_pb.LaneResponse(
+                code=grpc.StatusCode.UNAUTHENTICATED.value[0], details="no valid lane token"
+            )
+        trace = {key: value for key, value in request.trace.items() if key in _TRACE_HEADERS}
+        deadline = time.monotonic() + _NO_DEADLINE_S  # a caller that gives up cancels the call instead
         try:
             async with self._admission.slot(deadline):
-                answer: ModelAnswer = await call(trace)
+                if request.WhichOneof("body") == "texts":
+                    answer = await self._replica.predict_texts(list(request.texts.texts), trace)
+                else:
+                    answer = await self._replica.predict_features(_matrix_of(request.features), trace)
         except Exception as error:
             code, details = status_of(error)
             field = getattr(error, "field", None)
-            trailing = ((VERDICT_HEADER, "model"), *(((FIELD_HEADER, str(field)),) if field else ()))
-            context.set_trailing_metadata(trailing)
-            await context.abort(code, details)
-        return _reply_of(answer)
+            return lane_pb.LaneResponse(
+                code=code.value[0], details=details, verdict=True, field=str(field or "")
+            )
+        return lane_pb.LaneResponse(reply=_reply_of(answer))
 
 
 def _matrix_of(request: lane_pb.FeaturesCall) -> FeatureMatrix:
@@ -185,20 +169,9 @@ class LanedModelReplica(ModelReplica):
         await super().__init__(*args, **kwargs)
         limits = lane or {"ongoing": 16, "queued": 64}
         self._lane_token = secrets.token_urlsafe(24)
-        self._lane_server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-            ]
-        )
-        service = _LaneService(self, self._lane_token, Admission(limits["ongoing"], limits["queued"]))
-        lane_grpc.add_ModelLaneServicer_to_server(service, self._lane_server)  # type: ignore[no-untyped-call]
-        # Liveness for the ingresses' probes: answered by the replica's event loop, so a hung replica
-        # (stopped, deadlocked) does not answer. It tells nothing but SERVING, so it needs no token.
-        health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), self._lane_server)
-        self._lane_port: int = self._lane_server.add_insecure_port("127.0.0.1:0")
-        await self._lane_server.start()
+        handler = _LaneHandler(self, self._lane_token, Admission(limits["ongoing"], limits["queued"]))
+        self._lane_server = LaneServer(handler)
+        self._lane_port: int = await self._lane_server.start("127.0.0.1", 0)
         self._lane_key: str | None = None
         if self._runner.ready:
             await self._announce()
@@ -237,7 +210,7 @@ class LanedModelReplica(ModelReplica):
                 await asyncio.to_thread(internal_kv._internal_kv_del, key, namespace=KV_NAMESPACE)
             except Exception:  # Ray may be going down with us; the ingress also drops dead lanes
                 logger.warning("could not withdraw lane %s", key, exc_info=True)
-        await self._lane_server.stop(grace=5.0)
+        await self._lane_server.stop(grace_s=5.0)
         await super().__del__()
 
 
@@ -247,12 +220,11 @@ class LanedModelReplica(ModelReplica):
 @dataclass(eq=False)
 class _Lane:
     address: LaneAddress
-    channel: grpc.aio.Channel
-    stub: lane_grpc.ModelLaneStub
+    connection: LaneConnection
     in_flight: int = 0
     down_until: float = 0.0
     alive: bool = True
-    """Whether its last health probe was answered (:meth:`Lanes.probe`); a lane that is not is skipped."""
+    """Whether its last ping was answered (:meth:`Lanes.probe`); a lane that is not is skipped."""
 
 
 class Lanes:
@@ -270,35 +242,27 @@ class Lanes:
         """Open lanes newly announced on this node, close withdrawn ones, forget dead replicas' lanes."""
         announced = await asyncio.to_thread(self._read)
         for replica in set(self._lanes) - set(announced):
-            await self._lanes.pop(replica).channel.close()
+            await self._lanes.pop(replica).connection.close()
         for replica, address in announced.items():
             known = self._lanes.get(replica)
             if known is not None and known.address == address:
                 continue
             if known is not None:
-                await known.channel.close()
-            channel = grpc.aio.insecure_channel(
-                address.target,
-                options=[
-                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                ],
-            )
-            stub = lane_grpc.ModelLaneStub(channel)  # type: ignore[no-untyped-call]
-            self._lanes[replica] = _Lane(address, channel, stub)
+                await known.connection.close()
+            self._lanes[replica] = _Lane(address, LaneConnection(address.host, address.port))
 
     async def probe(self) -> int:
-        """Ask every lane's health check at once (``PROBE_TIMEOUT_S``); a lane that does not answer is
+        """Ping every lane at once (``PROBE_TIMEOUT_S``); a lane that does not answer is
         skipped by calls until it answers again. Returns the lanes alive."""
 
         async def check(lane: _Lane) -> None:
-            stub = health_pb2_grpc.HealthStub(lane.channel)
             try:
-                await stub.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
-            except grpc.aio.AioRpcError as error:
+                async with asyncio.timeout(PROBE_TIMEOUT_S):
+                    await lane.connection.call(lane_pb.LaneRequest(ping=lane_pb.Ping()))
+            except (LaneConnectionLost, TimeoutError) as error:
                 if lane.alive:
                     logger.warning("lane %s is not answering (%s): put aside", lane.address.target,
-                                   error.code().name)  # fmt: skip
+                                   type(error).__name__)  # fmt: skip
                 lane.alive = False
             else:
                 lane.alive = True
@@ -338,42 +302,49 @@ class Lanes:
             LaneDown: no lane took the call (use the Serve handle).
             InvalidInput | Overloaded | ModelUnavailable | TimeoutError: the model's own verdict.
         """
-        call = lane_pb.TextsCall(texts=texts)
-        return await self._call(lambda stub, md: stub.PredictTexts(call, metadata=md), trace)
+        request = lane_pb.LaneRequest(texts=lane_pb.TextsCall(texts=texts))
+        return await self._call(request, trace)
 
     async def predict_features(self, matrix: FeatureMatrix, trace: dict[str, str]) -> ModelAnswer:
         """Score a matrix sent by value through the least busy lane (errors as :meth:`predict_texts`)."""
         values = np.ascontiguousarray(matrix, dtype="<f4")
         call = lane_pb.FeaturesCall(rows=values.shape[0], columns=values.shape[1], values=values.tobytes())
-        return await self._call(lambda stub, md: stub.PredictFeatures(call, metadata=md), trace)
+        return await self._call(lane_pb.LaneRequest(features=call), trace)
 
-    async def _call(self, send: Any, trace: dict[str, str]) -> ModelAnswer:
+    async def _call(self, request: lane_pb.LaneRequest, trace: dict[str, str]) -> ModelAnswer:
         lane = self._pick()
         if lane is None:
             raise LaneDown("no lane on this node")
-        metadata = ((TOKEN_HEADER, lane.address.token), *trace.items())
+        request.token = lane.address.token
+        if trace:
+            request.trace.update(trace)
         lane.in_flight += 1
         try:
-            reply = await send(lane.stub, metadata)
-        except grpc.aio.AioRpcError as error:
-            raise _error_of(error, lane) from error
+            response = await lane.connection.call(request)
+        except LaneConnectionLost as error:
+            lane.down_until = time.monotonic() + DOWN_FOR_S
+            raise LaneDown(str(error)) from error
         finally:
             lane.in_flight -= 1
-        return _answer_of(reply)
+        if response.code != 0:
+            raise _error_of(response, lane)
+        return _answer_of(response.reply)
 
 
-def _error_of(error: grpc.aio.AioRpcError, lane: _Lane) -> Exception:
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _error_of(response: lane_pb.LaneResponse, lane: _Lane) -> Exception:
     """The platform error a lane's status stands for; a lane that did not take the call is put aside."""
-    code, details = error.code(), str(error.details() or "")
-    trailing = dict(error.trailing_metadata() or ())
-    if VERDICT_HEADER not in trailing:  # the lane itself failed: not listening, wrong token, stopping
+    code, details = _CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.details
+    if not response.verdict:  # the lane itself refused: wrong token, stopping
         lane.down_until = time.monotonic() + DOWN_FOR_S
         return LaneDown(f"lane {lane.address.target}: {code.name} {details}")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        field = trailing.get(FIELD_HEADER)
+        field = response.field
         prefix = f"{field}: "
         message = details[len(prefix) :] if field and details.startswith(prefix) else details
-        return InvalidInput(message, field=str(field) if field else None)
+        return InvalidInput(message, field=field or None)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return Overloaded(details)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

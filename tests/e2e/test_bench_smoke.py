@@ -106,3 +106,22 @@ def test_batch_stages_quick(demo_models: Path, tmp_path: Path) -> None:
         assert medians[stage] > 0, stage
     assert medians["sum"] >= medians["features"] + medians["models"]
     assert result["flow_over_floor"] == medians["flow"] / medians["floor"]
+
+
+def test_lane_transport_quick(tmp_path: Path) -> None:
+    command = [sys.executable, str(BENCH / "lane_transport.py"), "--calls", "80", "--rounds", "1"]
+    done = subprocess.run([*command, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    result = json.loads((tmp_path / "lane_transport.json").read_text())
+    for transport in ("grpc_aio", "lane_wire"):
+        for concurrency in ("c=1", "c=8"):
+            figures = result["medians"][transport][concurrency]
+            assert 0 < figures["p50_ms"] <= figures["p99_ms"], (transport, concurrency)
+            assert figures["calls_per_s"] > 0
+            assert figures["cpu_ms_per_call"] > 0
+    ratio = result["grpc_over_wire"]["c=1"]["p50_ms"]
+    assert (
+        ratio
+        == result["medians"]["grpc_aio"]["c=1"]["p50_ms"] / result["medians"]["lane_wire"]["c=1"]["p50_ms"]
+    )
+    assert (tmp_path / "lane_transport.png").stat().st_size > 0

@@ -4,6 +4,7 @@ while the decisions go on is the short fault drill's (``test_faults_short.py``, 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +15,11 @@ import pytest
 
 from riskserve.demo.dataset import generate_transactions
 from riskserve.proto.riskserve.internal.v1 import model_lane_pb2 as lane_pb
-from riskserve.proto.riskserve.internal.v1 import model_lane_pb2_grpc as lane_grpc
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
-from riskserve.serving.model_lane import TOKEN_HEADER, LaneAddress, LaneUse
+from riskserve.serving.lane_wire import LaneConnection
+from riskserve.serving.model_lane import LaneAddress, LaneUse
 
 from ..sockets import is_loopback, listening_sockets
 from .conftest import ServeCluster, announced_lanes, channel, deploy, pipeline_on
@@ -111,18 +112,23 @@ def test_a_lane_listens_on_loopback_and_refuses_a_call_without_its_token(
     assert len(lanes) == FRAUD_REPLICAS
     listening = list(listening_sockets().values())
     matrix = lane_pb.FeaturesCall(rows=1, columns=1, values=b"\x00\x00\x00\x00")
+
+    async def call(lane: LaneAddress, token: str) -> lane_pb.LaneResponse:
+        connection = LaneConnection(lane.host, lane.port)
+        try:
+            return await connection.call(lane_pb.LaneRequest(token=token, features=matrix))
+        finally:
+            await connection.close()
+
     for lane in lanes:
         assert lane.host == "127.0.0.1"
         bound = [address for address, port in listening if port == lane.port]
         assert set(bound) & {"127.0.0.1", "::ffff:127.0.0.1"}
         assert all(is_loopback(address) for address in bound)  # never 0.0.0.0 or [::], every interface
-        with grpc.insecure_channel(lane.target) as chan:
-            stub = lane_grpc.ModelLaneStub(chan)  # type: ignore[no-untyped-call]
-            for metadata in ((), ((TOKEN_HEADER, "not-" + lane.token),)):
-                with pytest.raises(grpc.RpcError) as refused:
-                    stub.PredictFeatures(matrix, metadata=metadata, timeout=10)
-                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            # With the token, the model's own verdict: one column is not what the fraud model reads.
-            with pytest.raises(grpc.RpcError) as wrong_shape:
-                stub.PredictFeatures(matrix, metadata=((TOKEN_HEADER, lane.token),), timeout=10)
-            assert wrong_shape.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for token in ("", "not-" + lane.token):
+            refused = asyncio.run(call(lane, token))
+            assert (refused.code, refused.verdict) == (grpc.StatusCode.UNAUTHENTICATED.value[0], False)
+        # With the token, the model's own verdict: one column is not what the fraud model reads.
+        wrong_shape = asyncio.run(call(lane, lane.token))
+        assert (wrong_shape.code, wrong_shape.verdict) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], True)
+        assert wrong_shape.field

@@ -25,19 +25,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&riskserve/internal/v1/model_lane.proto\x12\x15riskserve.internal.v1\"\x1a\n\tTextsCall\x12\r\n\x05texts\x18\x01 \x03(\t\"=\n\x0c\x46\x65\x61turesCall\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0f\n\x07\x63olumns\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"\x88\x01\n\nModelReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06scores\x18\x03 \x03(\x01\x12\x12\n\nhas_labels\x18\x04 \x01(\x08\x12\x0e\n\x06labels\x18\x05 \x03(\t\x12\x12\n\nlatency_ms\x18\x06 \x01(\x01\x12\x12\n\nextra_json\x18\x07 \x01(\t2\xbb\x01\n\tModelLane\x12S\n\x0cPredictTexts\x12 .riskserve.internal.v1.TextsCall\x1a!.riskserve.internal.v1.ModelReply\x12Y\n\x0fPredictFeatures\x12#.riskserve.internal.v1.FeaturesCall\x1a!.riskserve.internal.v1.ModelReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&riskserve/internal/v1/model_lane.proto\x12\x15riskserve.internal.v1\"\xe8\x02\n\x0bLaneRequest\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\r\n\x05token\x18\x02 \x01(\t\x12<\n\x05trace\x18\x03 \x03(\x0b\x32-.riskserve.internal.v1.LaneRequest.TraceEntry\x12\x31\n\x05texts\x18\x05 \x01(\x0b\x32 .riskserve.internal.v1.TextsCallH\x00\x12\x37\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32#.riskserve.internal.v1.FeaturesCallH\x00\x12+\n\x04ping\x18\x07 \x01(\x0b\x32\x1b.riskserve.internal.v1.PingH\x00\x12/\n\x06\x63\x61ncel\x18\x08 \x01(\x0b\x32\x1d.riskserve.internal.v1.CancelH\x00\x1a,\n\nTraceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04\x62ody\"\x06\n\x04Ping\"\x08\n\x06\x43\x61ncel\"\x1a\n\tTextsCall\x12\r\n\x05texts\x18\x01 \x03(\t\"=\n\x0c\x46\x65\x61turesCall\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0f\n\x07\x63olumns\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"\x8d\x01\n\x0cLaneResponse\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\x12\x0f\n\x07verdict\x18\x04 \x01(\x08\x12\r\n\x05\x66ield\x18\x05 \x01(\t\x12\x30\n\x05reply\x18\x06 \x01(\x0b\x32!.riskserve.internal.v1.ModelReply\"\x88\x01\n\nModelReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06scores\x18\x03 \x03(\x01\x12\x12\n\nhas_labels\x18\x04 \x01(\x08\x12\x0e\n\x06labels\x18\x05 \x03(\t\x12\x12\n\nlatency_ms\x18\x06 \x01(\x01\x12\x12\n\nextra_json\x18\x07 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'riskserve.proto.riskserve.internal.v1.model_lane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TEXTSCALL']._serialized_start=65
-  _globals['_TEXTSCALL']._serialized_end=91
-  _globals['_FEATURESCALL']._serialized_start=93
-  _globals['_FEATURESCALL']._serialized_end=154
-  _globals['_MODELREPLY']._serialized_start=157
-  _globals['_MODELREPLY']._serialized_end=293
-  _globals['_MODELLANE']._serialized_start=296
-  _globals['_MODELLANE']._serialized_end=483
+  _globals['_LANEREQUEST_TRACEENTRY']._loaded_options = None
+  _globals['_LANEREQUEST_TRACEENTRY']._serialized_options = b'8\001'
+  _globals['_LANEREQUEST']._serialized_start=66
+  _globals['_LANEREQUEST']._serialized_end=426
+  _globals['_LANEREQUEST_TRACEENTRY']._serialized_start=374
+  _globals['_LANEREQUEST_TRACEENTRY']._serialized_end=418
+  _globals['_PING']._serialized_start=428
+  _globals['_PING']._serialized_end=434
+  _globals['_CANCEL']._serialized_start=436
+  _globals['_CANCEL']._serialized_end=444
+  _globals['_TEXTSCALL']._serialized_start=446
+  _globals['_TEXTSCALL']._serialized_end=472
+  _globals['_FEATURESCALL']._serialized_start=474
+  _globals['_FEATURESCALL']._serialized_end=535
+  _globals['_LANERESPONSE']._serialized_start=538
+  _globals['_LANERESPONSE']._serialized_end=679
+  _globals['_MODELREPLY']._serialized_start=682
+  _globals['_MODELREPLY']._serialized_end=818
 # @@protoc_insertion_point(module_scope)
