@@ -215,6 +215,8 @@ class DecisionFlow:
                 pending[name] = asyncio.ensure_future(model.call(stage, deadline, traced))
         results: dict[str, list[ModelResult]] = {}
         try:
+            if pending and now:  # let the remote calls go out (an LLM's text: ~4 ms) before the inline work
+                await asyncio.sleep(0)
             for model in now:
                 try:
                     results[model.name] = model.call_now(stage, deadline, traced)

@@ -271,8 +271,11 @@ class GuardedModel:
             permit.ignore()
             raise DeadlineExceeded("the decision's deadline passed before the models ran")
         try:
+            # asyncio.timeout, not wait_for: no second task, so the call reaches its socket in this task's
+            # first step (the flow lets remote calls take that step before it runs the inline models)
             with self._predict_span(stage, bool(trace)):
-                answer = await asyncio.wait_for(self.endpoint.predict(stage, trace), timeout=budget)
+                async with asyncio.timeout(budget):
+                    answer = await self.endpoint.predict(stage, trace)
         except TimeoutError:
             self.endpoint.cancel()
             if spec.timeout_ms / 1e3 > budget:
