@@ -30,6 +30,8 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 """The largest frame either side accepts (a matrix of 1,000 rows x 16k float32 columns)."""
 UNAVAILABLE = 14
 """gRPC's UNAVAILABLE: what a stopping lane answers (without a verdict: the caller uses the handle)."""
+INTERNAL = 13
+"""gRPC's INTERNAL: a handler that raised instead of answering (without a verdict, as UNAVAILABLE)."""
 _LENGTH = struct.Struct("<I")
 
 
@@ -158,6 +160,9 @@ class LaneServer:
             response = await self._handler(request)
         except asyncio.CancelledError:
             return  # the caller cancelled or went away: it reads no answer
+        except Exception as error:  # the handler gives statuses; this is a bug of the lane's own
+            logger.exception("lane handler failed")
+            response = lane_pb.LaneResponse(code=INTERNAL, details=f"lane handler failed: {error!r}")
         finally:
             self._calls.pop(key, None)
         response.call = request.call

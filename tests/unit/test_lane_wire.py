@@ -14,6 +14,7 @@ import pytest
 
 from riskserve.proto.riskserve.internal.v1 import model_lane_pb2 as lane_pb
 from riskserve.serving.lane_wire import (
+    INTERNAL,
     MAX_FRAME_BYTES,
     UNAVAILABLE,
     LaneConnection,
@@ -219,5 +220,22 @@ def test_a_lane_that_is_not_listening_fails_the_call_at_once(run: Run) -> None:
             port = placeholder.getsockname()[1]  # bound, never listening: connections are refused
             with pytest.raises(LaneConnectionLost):
                 await LaneConnection("127.0.0.1", port).call(_texts("0"))
+
+    run(test)
+
+
+def test_a_handler_that_raises_is_answered_internal_without_a_verdict(run: Run) -> None:
+    async def broken(request: lane_pb.LaneRequest) -> lane_pb.LaneResponse:
+        raise RuntimeError("a bug")
+
+    async def test() -> None:
+        server = LaneServer(broken)
+        port = await server.start()
+        connection = LaneConnection("127.0.0.1", port)
+        answer = await connection.call(_texts("0"))
+        assert (answer.code, answer.verdict) == (INTERNAL, False)  # the ingress falls back to the handle
+        assert "a bug" in answer.details
+        await connection.close()
+        await server.stop(grace_s=1)
 
     run(test)
