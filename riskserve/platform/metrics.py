@@ -92,7 +92,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -904,20 +904,31 @@ class PipelineMetrics:
     def __init__(self, pipeline: str) -> None:
         """``pipeline``: the pipeline's name."""
         self.pipeline = pipeline
+        self._decision_series: dict[str, _Tags] = {}
+        """The ``decisions`` series of each outcome seen (checked and built once)."""
+        self._latency_series: _Tags = (("pipeline", pipeline),)
 
     def __repr__(self) -> str:
         return f"PipelineMetrics(pipeline={self.pipeline!r})"
 
     def decision(self, outcome: Outcome | str, count: int = 1) -> None:
         """``count`` decisions with ``outcome`` (``APPROVE``, ``REVIEW`` or ``DECLINE``)."""
-        if outcome not in OUTCOMES:
-            raise ValueError(f"unknown decision outcome {outcome!r}; expected one of {list(OUTCOMES)}")
+        series = self._decision_series.get(outcome)
+        if series is None:
+            if outcome not in OUTCOMES:
+                raise ValueError(f"unknown decision outcome {outcome!r}; expected one of {list(OUTCOMES)}")
+            series = self._decision_series[str(outcome)] = (
+                ("pipeline", self.pipeline), ("outcome", str(outcome)),
+            )  # fmt: skip
         if count > 0:
-            series = (("pipeline", self.pipeline), ("outcome", str(outcome)))
             _registry().add(DECISIONS, series, float(count), float(count))
 
-    def decisions(self, outcomes: Iterable[Outcome | str]) -> None:
-        """One decision per item of ``outcomes``: one record per outcome, not one per decision."""
+    def decisions(self, outcomes: Sequence[Outcome | str]) -> None:
+        """One decision per item of ``outcomes``: one record per outcome, not one per decision (one
+        decision, a ``Decide``, skips the count)."""
+        if len(outcomes) == 1:
+            self.decision(outcomes[0])
+            return
         for outcome, count in collections.Counter(outcomes).items():
             self.decision(outcome, count)
 
@@ -933,11 +944,11 @@ class PipelineMetrics:
 
     def decision_latency(self, seconds: float) -> None:
         """End-to-end time of one decision call."""
-        _registry().add(DECISION_LATENCY, (("pipeline", self.pipeline),), seconds, 1.0)
+        _registry().add(DECISION_LATENCY, self._latency_series, seconds, 1.0)
 
     def feature_latency(self, seconds: float) -> None:
         """Time of the feature stage for one decision call."""
-        _registry().add(FEATURE_LATENCY, (("pipeline", self.pipeline),), seconds, 1.0)
+        _registry().add(FEATURE_LATENCY, self._latency_series, seconds, 1.0)
 
     def reasons(self, rows: int, seconds: float) -> None:
         """``rows`` decisions of one call given reason codes, computed in ``seconds``."""

@@ -113,7 +113,7 @@ class DecisionFlow:
                 attributes = {"request.id": request_id, "outcome": decision.outcome}
                 with optional_span(True, SPAN_DECISION, attributes=attributes) as span:
                     span.set_attribute("risk_score", decision.risk_score)
-        self.metrics.decisions(decision.outcome for decision in decisions)
+        self.metrics.decisions([decision.outcome for decision in decisions])
         reasons = await self._reasons(stage, decided)
         responses = [
             decide_response(

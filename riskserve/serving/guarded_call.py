@@ -202,28 +202,41 @@ class GuardedModel:
 
     def call_now(self, stage: StageResult, deadline: float, traced: bool) -> list[ModelResult]:
         """The results on the calling thread: a function call of microseconds, so no timer is set; the
-        breaker still sees it (slow if past ``timeout_ms``, failed if it raised)."""
-        with self._span(stage, traced) as span:
-            started = time.monotonic()
-            if started >= deadline:
-                raise DeadlineExceeded("the decision's deadline passed before the models ran")
-            permit = self.breaker.try_acquire()
-            if permit is None:
-                return self._traced(span, self._fallback(stage, "CIRCUIT_OPEN", started))
-            try:
-                with self._predict_span(stage, traced):
+        breaker still sees it (slow if past ``timeout_ms``, failed if it raised).
+
+        Unsampled (``traced`` false, nearly every decision) no span object, attribute dict or context
+        manager is made at all: they recorded nothing and cost each model of each decision about 2.5 µs.
+        """
+        if not traced:
+            return self._now(stage, deadline, False)
+        with self._span(stage, True) as span:
+            return self._traced(span, self._now(stage, deadline, True))
+
+    def _now(self, stage: StageResult, deadline: float, traced: bool) -> list[ModelResult]:
+        """:meth:`call_now` inside its span (if any): deadline, breaker, the call, its fallback."""
+        started = time.monotonic()
+        if started >= deadline:
+            raise DeadlineExceeded("the decision's deadline passed before the models ran")
+        permit = self.breaker.try_acquire()
+        if permit is None:
+            return self._fallback(stage, "CIRCUIT_OPEN", started)
+        try:
+            if traced:
+                with self._predict_span(stage, True):
                     answer = self.endpoint.predict_now(stage)
-            except InlineBusy:
-                permit.ignore()
-                raise
-            except InvalidInput:
-                permit.ignore()  # a client error never counts against the model
-                raise
-            except Exception:
-                permit.failure(time.monotonic() - started)
-                return self._traced(span, self._fallback(stage, "ERROR", started))
-            permit.success(time.monotonic() - started)
-            return self._traced(span, self._results(stage, answer))
+            else:
+                answer = self.endpoint.predict_now(stage)
+        except InlineBusy:
+            permit.ignore()
+            raise
+        except InvalidInput:
+            permit.ignore()  # a client error never counts against the model
+            raise
+        except Exception:
+            permit.failure(time.monotonic() - started)
+            return self._fallback(stage, "ERROR", started)
+        permit.success(time.monotonic() - started)
+        return self._results(stage, answer)
 
     async def call(self, stage: StageResult, deadline: float, traced: bool) -> list[ModelResult]:
         """The results for the whole batch, awaited within min(``timeout_ms``, the decision's deadline)."""
