@@ -20,6 +20,8 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
+import grpc
+
 from riskserve.proto.riskserve.internal.v1 import model_lane_pb2 as lane_pb
 
 __all__ = ["MAX_FRAME_BYTES", "LaneConnection", "LaneConnectionLost", "LaneServer"]
@@ -28,10 +30,10 @@ logger = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 """The largest frame either side accepts (a matrix of 1,000 rows x 16k float32 columns)."""
-UNAVAILABLE = 14
-"""gRPC's UNAVAILABLE: what a stopping lane answers (without a verdict: the caller uses the handle)."""
-INTERNAL = 13
-"""gRPC's INTERNAL: a handler that raised instead of answering (without a verdict, as UNAVAILABLE)."""
+UNAVAILABLE: int = grpc.StatusCode.UNAVAILABLE.value[0]
+"""What a stopping lane answers (without a verdict: the caller uses the handle)."""
+INTERNAL: int = grpc.StatusCode.INTERNAL.value[0]
+"""What a handler that raised instead of answering gets (without a verdict, as UNAVAILABLE)."""
 _LENGTH = struct.Struct("<I")
 
 
