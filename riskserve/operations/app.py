@@ -33,7 +33,7 @@ from riskserve.serving.model_lane import LanedModelReplica
 from riskserve.serving.model_replica import ModelReplica
 from riskserve.wrappers import registered_backends
 
-__all__ = ["SHUTDOWN_POLL_S", "AppArgs", "build_app", "build_application"]
+__all__ = ["SHARED_LOOP_ENV", "SHUTDOWN_POLL_S", "AppArgs", "build_app", "build_application"]
 
 SHUTDOWN_POLL_S = 0.2
 """How often a stopping replica asks Serve whether its last handle call has finished (Serve's
@@ -89,17 +89,30 @@ def _versioned(deployment: Any, version: str) -> Any:
     return deployment.options(version=version, _internal=True)
 
 
+SHARED_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+"""Runtime env vars that put a replica's user code on Serve's own event loop (``IngressSpec.event_loop``)."""
+
+
 def _stage(
-    cls: type, name: str, spec: PipelineSpec, stage: StageSpec, *args: Any, num_cpus: float | None = None
+    cls: type,
+    name: str,
+    spec: PipelineSpec,
+    stage: StageSpec,
+    *args: Any,
+    num_cpus: float | None = None,
+    env_vars: dict[str, str] | None = None,
 ) -> Any:
     cpus = stage.num_cpus if num_cpus is None else num_cpus
-    return _versioned(serve.deployment()(cls), _version(name, args)).options(
+    options = actor_options(spec, spec.stage_pool(stage), cpus)
+    if env_vars:  # Ray merges these into the job's and the app's env_vars
+        options["runtime_env"] = {"env_vars": dict(env_vars)}
+    return _versioned(serve.deployment()(cls), _version(name, args, options.get("runtime_env"))).options(
         name=name,
         logging_config=_logging(spec),
         num_replicas=stage.replicas,
         max_ongoing_requests=stage.max_ongoing_requests,
         max_queued_requests=stage.max_queued_requests,
-        ray_actor_options=actor_options(spec, spec.stage_pool(stage), cpus),
+        ray_actor_options=options,
         health_check_period_s=stage.health_check_period_s,
         health_check_timeout_s=stage.health_check_timeout_s,
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
@@ -173,8 +186,15 @@ def build_application(
         for name, model in spec.models.items()
         if model.in_ingress
     }
+    shared_loop = spec.serving.ingress.event_loop == "shared"
     ingress_deployment = _stage(
-        PipelineIngress, names[INGRESS], spec, spec.serving.ingress, data, num_cpus=ingress_cpus(spec)
+        PipelineIngress,
+        names[INGRESS],
+        spec,
+        spec.serving.ingress,
+        data,
+        num_cpus=ingress_cpus(spec),
+        env_vars=SHARED_LOOP_ENV if shared_loop else None,
     )
     ingress: Application = ingress_deployment.options(
         user_config={"draining": draining, "artifacts": in_ingress, "shadows": shadows or {}}

@@ -332,7 +332,12 @@ def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env
     assert intent.name == "model-intent"
     assert intent.ray_actor_options == {"num_cpus": 1.0, "resources": {"riskserve_pool_llm": 1000.0}}
     # The ingress takes its own 0.25 CPU plus credit's and fraud's, and carries their artifacts.
-    assert ingress.ray_actor_options == {"num_cpus": 0.75, "resources": {"riskserve_pool_cpu": 750.0}}
+    # Its decisions run on Serve's own event loop of the replica (serving.ingress.event_loop: shared).
+    assert ingress.ray_actor_options == {
+        "num_cpus": 0.75,
+        "resources": {"riskserve_pool_cpu": 750.0},
+        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
+    }
     models_dir = (PIPELINES / "../../models").resolve()
     assert ingress.user_config == {
         "draining": False,

@@ -55,3 +55,16 @@ def test_a_registered_test_kind_travels_to_the_replicas_that_build_it() -> None:
     entry = {fault_injection.KIND: ("tests.fault_injection", "FaultInjectingModel", "FaultInjectionSettings")}
     assert built[model_deployment("fraud")].init_kwargs["registered"] == entry
     assert built[INGRESS].init_kwargs["registered"] == entry  # the ingress validates the spec it is given
+
+
+def test_the_ingress_runs_on_serves_own_event_loop_unless_the_yaml_asks_for_a_separate_one() -> None:
+    data = yaml.safe_load((PIPELINES / "card_fraud.yaml").read_text())
+    shared = _deployments(build_application(parse_pipeline(data, base_dir=PIPELINES)))
+    env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+    assert shared[INGRESS].ray_actor_options["runtime_env"] == {"env_vars": env}
+    # Only the ingress, whose gRPC front door shares grpc's poller with Serve's own server, is changed.
+    assert all("runtime_env" not in d.ray_actor_options for n, d in shared.items() if n != INGRESS)
+    data.setdefault("serving", {}).setdefault("ingress", {})["event_loop"] = "separate"
+    separate = _deployments(build_application(parse_pipeline(data, base_dir=PIPELINES)))
+    assert "runtime_env" not in separate[INGRESS].ray_actor_options
+    assert separate[INGRESS].version != shared[INGRESS].version  # a change of loop restarts the replicas
