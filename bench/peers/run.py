@@ -104,7 +104,7 @@ LLM_FULL = dataclasses.replace(
     FULL, warmup=100, c1_calls=300, c8_calls=3000, batch_calls=5, batch_seconds=8.0
 )
 LLM_FULL_SWEEP = Sweep(
-    batches=(64, 1000), rates=(10, 20, 30, 40, 50, 60, 80, 100, 120, 150, 200), settle_s=45.0
+    batches=(64, 1000), rates=(10, 20, 30, 40, 50, 60, 80, 100, 120, 150, 200, 250, 300), settle_s=45.0
 )
 LLM_QUICK = dataclasses.replace(QUICK, batch_calls=1)
 LLM_QUICK_SWEEP = Sweep(batches=(64,), rates=(10,), settle_s=0.0)

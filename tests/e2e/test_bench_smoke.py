@@ -6,9 +6,13 @@ exercised by the other tests and by ``make bench``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,3 +129,50 @@ def test_lane_transport_quick(tmp_path: Path) -> None:
         == result["medians"]["grpc_aio"]["c=1"]["p50_ms"] / result["medians"]["lane_wire"]["c=1"]["p50_ms"]
     )
     assert (tmp_path / "lane_transport.png").stat().st_size > 0
+
+
+def test_frozen_stops_every_process_of_a_system_and_continues_them(tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCH.parent))
+    from bench.hotpath import Running, frozen
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    script = f"import subprocess, time; subprocess.Popen({sleeper!r}); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    pids = [parent.pid]
+    try:
+        system = Running("tree", "tree", "", parent.pid, False, lambda: None, 0.0)
+        from bench._procs import descendants
+
+        for _ in range(50):  # the child appears once the parent has started it
+            if descendants(parent.pid):
+                break
+            time.sleep(0.1)
+        pids = [parent.pid, *descendants(parent.pid)]
+        assert len(pids) == 2
+
+        def states() -> list[str]:
+            return [Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] for pid in pids]
+
+        with frozen(system):
+            assert states() == ["T", "T"]  # stopped: no CPU for the bare engine's round
+        assert "T" not in states()
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()
+
+
+def test_bare_engine_rounds_time_the_prompts_they_are_asked_for(demo_models: Path, tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCH.parent))
+    from bench.hotpath import QUICK, BareEngine
+
+    bare = BareEngine(demo_models, QUICK, tmp_path)
+    try:
+        assert bare.startup_s > 0
+        first, second = bare.round(3), bare.round(4)
+    finally:
+        bare.close()
+    assert (first["prompts"], second["prompts"]) == (3, 4)
+    for answer in (first, second):
+        assert 0 < answer["single"]["p50"] <= answer["single"]["max"]
