@@ -119,7 +119,7 @@ class Plan:
     llm_rates: tuple[float, ...]
     open_seconds: float
     vllm_prompts: int
-    paired_rounds: int
+    paired_rounds: int = 0
     """Rounds of card_fraud c=1 alternated with vLLM's bare generate (see :func:`paired_card_fraud`)."""
 
 
@@ -906,16 +906,20 @@ def plot(out_dir: Path, results: dict[str, Any]) -> Path:
 
 
 def measure_card_fraud(models: Path, plan: Plan, channels: int, run_dir: Path) -> dict[str, Any]:
-    """``card_fraud``'s phases, then its rounds paired with the bare engine (started first, so that its
-    start-up is not in riskserve's window)."""
+    """``card_fraud``'s rounds paired with the bare engine, then its phases. The bare engine starts
+    first, so that its start-up is not in riskserve's window; the rounds come first, on a system as fresh
+    as the c=1 phase's (after the same wait and warm-up), not after the batch and open-loop phases."""
     log("card_fraud: starting vLLM's bare engine for the paired rounds")
     bare = BareEngine(models, plan, run_dir)
     try:
         with running("card_fraud", models, run_dir) as system:
+            waited = settle(system)
+            log(f"card_fraud: idle after {waited:.0f} s; warm-up, then {plan.paired_rounds} paired rounds")
+            warmup = ["-c8", f"--calls={plan.warmup}", "--seconds=60", "--warmup=0", f"--channels={channels}"]
+            loadgen(system, "closed", warmup, bound_s=_bound(60.0, 0))
+            paired = paired_card_fraud(system, bare, plan, channels)
             result = measure_grpc(system, plan, channels)
-            waited = settle(system, patience_s=10.0)  # the same rule as before the c=1 phase, shorter
-            log(f"card_fraud: idle after {waited:.0f} s; {plan.paired_rounds} rounds beside the bare engine")
-            result["paired"] = paired_card_fraud(system, bare, plan, channels)
+            result["paired"] = paired
     finally:
         bare.close()
     return result
