@@ -344,8 +344,9 @@ class IngressSpec(StageSpec):
     on (Serve's ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``, set in the ingress replicas' runtime
     env). Serve starts a grpc.aio server of its own in every replica, and grpc.aio wakes every event loop
     that holds a server for each of the front door's events: with two loops, each call woke both and
-    the second handed it over. One loop cost 0.14-0.19 CPU-ms less per decision (about 15%) in
-    ``bench/hotpath.py``'s c=8 load. ``separate``: Serve's default, user code on a loop of its own."""
+    the second handed it over. One loop cost 0.19-0.38 CPU-ms less per decision (0.69-0.82x) in three
+    alternated rounds of a c=8 load (BENCHMARKS.md). ``separate``: Serve's default, user code on a loop
+    of its own."""
 
 
 class TlsSpec(_Strict):
