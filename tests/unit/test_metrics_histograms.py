@@ -9,6 +9,9 @@ counts the calls reaching Ray's own recorder and passes each one on.
 from __future__ import annotations
 
 import random
+import sys
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -47,7 +50,7 @@ def _observe_in_one_flush(registry: Any, spec: MetricSpec, series: Any, values: 
     """Record ``values`` while the flusher is held off, then flush: exactly one export of the series."""
     with registry._flush_lock:
         for value in values:
-            registry.add(spec, series, value, 1.0)
+            registry.add(spec, series, value)
     registry.flush()  # this or the background flusher exports them, the other finds nothing pending
 
 
@@ -110,9 +113,9 @@ def test_each_series_keeps_its_own_buckets_with_le_written_as_ray_writes_it() ->
     large = (("model", "b"), ("kind", "sklearn"))
     with registry._flush_lock:
         for rows in (1, 1, 2, 3):
-            registry.add(spec, small, float(rows), 1.0)
+            registry.add(spec, small, float(rows))
         for rows in (4096, 5000):
-            registry.add(spec, large, float(rows), 1.0)
+            registry.add(spec, large, float(rows))
     registry.flush()
 
     per_model: dict[str, dict[str, float]] = {}
@@ -126,3 +129,40 @@ def test_each_series_keeps_its_own_buckets_with_le_written_as_ray_writes_it() ->
     counts = {tags["model"]: value for value, tags in watched["_count"].calls}
     assert counts == {"a": 4.0, "b": 2.0}
     assert registry.recorded(spec, {"kind": "treelite"}) == 4.0
+
+
+def test_a_long_flush_lets_another_thread_take_the_gil_between_chunks() -> None:
+    """The flusher shares the GIL with the event loop: a decision arriving during a flush must wait for
+    one chunk of records, not the whole flush. With forced switching held off (a 10 s switch interval),
+    the watcher can only run while the flush gives the GIL up of its own accord, so it sees the pending
+    queue part-drained only if the flush yields between chunks."""
+    registry = metrics._Registry()
+    series = (("pipeline", "gil_unit"),)
+    total = 10 * metrics._FLUSH_CHUNK
+    with registry._flush_lock:  # the background flusher waits: every record is drained by the flush below
+        for _ in range(total):
+            registry.add(DECISION_LATENCY, series, 0.001)
+    seen: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append(len(registry._pending))
+            time.sleep(0)
+
+    interval = sys.getswitchinterval()
+    watcher = threading.Thread(target=watch, daemon=True)
+    sys.setswitchinterval(10.0)
+    try:
+        watcher.start()
+        while not seen:
+            time.sleep(0.001)
+        registry.flush()
+        done.set()
+        watcher.join(timeout=30)
+    finally:
+        sys.setswitchinterval(interval)
+    part_drained = sorted({n for n in seen if 0 < n < total})
+    assert part_drained, f"the watcher never ran during the flush (saw only {sorted(set(seen))})"
+    assert all(n % metrics._FLUSH_CHUNK == 0 for n in part_drained)  # it ran between chunks, not inside one
+    assert metrics._Registry.recorded(registry, DECISION_LATENCY, {"pipeline": "gil_unit"}) == total
