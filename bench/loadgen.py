@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import grpc
 import numpy as np
@@ -55,6 +55,10 @@ TOLERANCE = 1e-4
 DEFAULT_CHANNELS = 1
 """Channels the tasks share (task i uses channel i % K). One channel served the floor best on 2 cores
 (see hotpath's --channels); the same is used for every system."""
+CHANNEL_OPTIONS: Final = (("grpc.use_local_subchannel_pool", 1),)
+"""Each channel its own TCP connection: gRPC would otherwise share one connection among channels with
+the same target and arguments. Several connections are what a fleet of callers opens; a server with
+several processes on one port (SO_REUSEPORT) gets them spread over its processes by the kernel."""
 _POOL = 2048
 """Distinct requests cycled through (each with its own request_id)."""
 
@@ -159,7 +163,7 @@ class Caller:
 
     def __init__(self, target: str, pipeline: str, channels: int, expect: Expected | None = None) -> None:
         self.expect = expect
-        self.channels = [grpc.aio.insecure_channel(target) for _ in range(channels)]
+        self.channels = [grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) for _ in range(channels)]
         self.stubs = [pb_grpc.RiskPipelineStub(c) for c in self.channels]  # type: ignore[no-untyped-call]
         self.metadata = (("application", pipeline), ("riskserve-timeout-ms", f"{TIMEOUT_S * 1e3:.0f}"))
 
@@ -367,7 +371,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--arrivals", choices=("poisson", "fixed"), default="poisson")
     parser.add_argument("--batch", type=int, default=1000, help="batch: rows per DecideBatch")
     parser.add_argument(
-        "--channels", type=int, default=DEFAULT_CHANNELS, help="gRPC channels shared by tasks"
+        "--channels", type=int, default=DEFAULT_CHANNELS, help="channels shared by tasks, one connection each"
     )
     parser.add_argument("--warmup", type=int, default=50, help="untimed calls first")
     parser.add_argument("--text", action="store_true", help="send each row's message (pipelines with an LLM)")

@@ -189,8 +189,11 @@ def _brief(result: dict[str, Any]) -> str:
     return text
 
 
-def measure(system: Running, plan: Plan, sweep: Sweep, bounds: tuple[float, ...]) -> dict[str, Any]:
-    """Every phase against one started system."""
+def measure(
+    system: Running, plan: Plan, sweep: Sweep, bounds: tuple[float, ...], connections: int = 1
+) -> dict[str, Any]:
+    """Every phase against one started system; the c=8 and open-loop phases over ``connections``
+    client connections (c=1 and the batches over one)."""
     waited = settle(system, patience_s=sweep.settle_s)
     out: dict[str, Any] = {"startup_s": system.startup_s, "target": system.target}
     if plan.warmup:  # a quick run skips the warm-up and c=1 phases (each loadgen start costs seconds)
@@ -200,7 +203,7 @@ def measure(system: Running, plan: Plan, sweep: Sweep, bounds: tuple[float, ...]
     if plan.c1_calls:
         out["c1"] = closed(system, 1, plan.c1_calls, plan, 1)
         log(f"{system.name}: c=1 {_brief(out['c1'])}")
-    out["c8"] = closed(system, 8, plan.c8_calls, plan, 1)
+    out["c8"] = closed(system, 8, plan.c8_calls, plan, connections)
     server = out["c8"]["server"]
     log(
         f"{system.name}: c=8 {_brief(out['c8'])}; {server['cpu_ms_per_decision']:.3f} CPU-ms/decision, "
@@ -212,7 +215,7 @@ def measure(system: Running, plan: Plan, sweep: Sweep, bounds: tuple[float, ...]
         log(f"{system.name}: batch of {rows} {_brief(out['batches'][str(rows)])}")
     out["open"] = []
     for rate in sweep.rates:
-        point = open_loop(system, rate, plan, 1)
+        point = open_loop(system, rate, plan, connections)
         out["open"].append(point)
         log(f"{system.name}: open loop {rate:g}/s {_brief(point)}")
         if not _holds(point, max(bounds)):
@@ -248,7 +251,13 @@ def summarize(out: dict[str, Any], bounds: tuple[float, ...] = (P99_LIMIT_MS,)) 
 
 
 def run_systems(
-    names: Sequence[str], models: Path, plan: Plan, sweep: Sweep, run_dir: Path, workload: str
+    names: Sequence[str],
+    models: Path,
+    plan: Plan,
+    sweep: Sweep,
+    run_dir: Path,
+    workload: str,
+    connections: int = 1,
 ) -> dict[str, Any]:
     """Measure each system in turn; one that fails is recorded with its error and the run goes on."""
     from bench.peers.systems import start, write_spec
@@ -265,7 +274,7 @@ def run_systems(
                 system = dataclasses.replace(system, client=(*system.client, "--expect", str(expect)))
             log(f"{name}: first answer {system.startup_s:.1f} s after start, on {system.target}")
             try:
-                results[name] = measure(system, plan, sweep, limits(workload))
+                results[name] = measure(system, plan, sweep, limits(workload), connections)
             finally:
                 log(f"{name}: stopping")
                 system.stop()
@@ -490,6 +499,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--report", type=Path, help="only recompute rows, ratios and plots of this peers.json"
     )
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="client connections of the c=8 and open-loop phases (a fleet of callers opens several)",
+    )
     args = parser.parse_args(argv)
     known = WORKLOADS[args.workload]
     args.systems = [s.strip() for s in (args.systems or ",".join(known)).split(",") if s.strip()]
@@ -523,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     found = versions(args.systems, args.workload)
     log(f"versions: {found}")
     try:
-        results = run_systems(args.systems, models, plan, sweep, run_dir, args.workload)
+        results = run_systems(args.systems, models, plan, sweep, run_dir, args.workload, args.connections)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     runs = [{"systems": args.systems, "load_average_at_start": load, "at": time.strftime("%H:%M UTC")}]
@@ -547,6 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "plan": dataclasses.asdict(plan),
             "sweep": dataclasses.asdict(sweep),
             "p99_limit_ms": P99_LIMIT_MS,
+            "connections": args.connections,
         },
         "machine": {"cpus": os.cpu_count(), "load_average_at_start": load},
         "seconds": time.perf_counter() - started,

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from bench.loadgen import TIMEOUT_S, Caller, Expected, Tally
+from bench.loadgen import CHANNEL_OPTIONS, TIMEOUT_S, Caller, Expected, Tally
 from bench.peers.v2 import decision_request, outputs, services
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 
@@ -27,7 +27,7 @@ class V2Caller(Caller):
     def __init__(self, target: str, model: str, channels: int, expect: Expected | None = None) -> None:
         self.expect = expect
         self.model = model
-        self.channels = [grpc.aio.insecure_channel(target) for _ in range(channels)]
+        self.channels = [grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) for _ in range(channels)]
         self.v2 = [services.GRPCInferenceServiceStub(c) for c in self.channels]
         self.built: dict[tuple[str, int], Any] = {}
 
