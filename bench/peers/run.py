@@ -3,8 +3,14 @@
 Systems (``--systems``, in this order; see :mod:`bench.peers.systems`): the hand-written floor,
 riskserve (``riskserve up tabular_only``), plain Ray Serve, and MLServer, KServe and Triton (PyTriton)
 each two ways: ``*_gateway`` (the two models served separately, called by ``bench/peers/gateway.py``)
-and ``*_runtime`` (one custom runtime making the whole decision, called over V2 gRPC directly). A peer's
-row is the faster of its two ways.
+and ``*_runtime`` (one custom runtime making the whole decision, called over V2 gRPC directly); KServe
+also as ``kserve_runtime_x2``, two runtime processes sharing one gRPC port, as two replicas on one node
+would (its gRPC server has no worker processes of its own). A peer's row is the fastest of its ways.
+
+``--connections N`` (default 1) opens N client connections for the c=8 and open-loop phases, as a fleet
+of callers would: a server of several processes on one port (riskserve's two ingress replicas,
+``kserve_runtime_x2``) gets them spread over its processes by the kernel; with one connection, one
+process takes all the load.
 
 Each system is started, measured and stopped by pid before the next starts; the client is
 ``bench/loadgen.py`` in its own process, the one ``make bench`` uses, and every answer is checked against
@@ -55,6 +61,8 @@ from bench.hotpath import Plan, Running, batch, closed, loadgen, log, open_loop,
 
 ROOT = Path(__file__).resolve().parents[2]
 TITLES = {"tabular_only": "tabular decision", "card_fraud": "full decision with the LLM (card_fraud)"}
+PEER_PREFIXES = ("mlserver_", "kserve_", "triton_")
+"""A peer measured several ways (``_gateway``, ``_runtime``, ``_runtime_x2``) gets one row: its fastest."""
 P99_LIMIT_MS = 50.0
 LLM_P99_LIMIT_MS = 200.0
 """The second latency bound reported for the LLM workload (its sweep runs on until p99 passes it)."""
@@ -294,7 +302,7 @@ def rows(results: dict[str, Any]) -> dict[str, str]:
     """Row name -> the system measured for it: a peer's faster way (highest rate held, then c=8 rate)."""
     out: dict[str, str] = {}
     for name, result in results.items():
-        row = name.rsplit("_", 1)[0] if name.endswith(("_gateway", "_runtime")) else name
+        row = name.split("_", 1)[0] if name.startswith(PEER_PREFIXES) else name
         if not valid(result):
             out.setdefault(row, name)
             continue

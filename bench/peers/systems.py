@@ -51,6 +51,7 @@ SYSTEMS = (
     "mlserver_runtime",
     "kserve_gateway",
     "kserve_runtime",
+    "kserve_runtime_x2",
     "triton_gateway",
     "triton_runtime",
 )
@@ -329,17 +330,62 @@ KSERVE_ENV = {"KSERVE_LOGLEVEL": "WARNING"}
 says: WARNING, as for a server under load."""
 
 
+def _kserve_command(which: str, models: Path, spec: Path, grpc_port: int, http_port: int) -> list[str]:
+    """One KServe model server process (``bench/peers/runtimes/kserve_server.py``) in KServe's venv."""
+    command = [str(ensure("kserve") / "bin" / "python"), str(PEERS_DIR / "runtimes" / "kserve_server.py")]
+    command += ["--which", which, "--models", str(models), "--spec", str(spec), "--grpc_port", str(grpc_port)]
+    return [*command, "--http_port", str(http_port), "--workers", "1", "--enable_latency_logging", "false"]
+
+
 def start_kserve(which: str, models: Path, run_dir: Path, spec: Path, expect: Path) -> Running:
     """KServe's Python model server (``bench/peers/runtimes/kserve_server.py``) in KServe's venv."""
-    venv = ensure("kserve")
     port = _free_port()
-    command = [str(venv / "bin" / "python"), str(PEERS_DIR / "runtimes" / "kserve_server.py")]
-    command += ["--which", which, "--models", str(models), "--spec", str(spec), "--grpc_port", str(port)]
-    command += ["--http_port", str(_free_port()), "--workers", "1", "--enable_latency_logging", "false"]
+    command = _kserve_command(which, models, spec, port, _free_port())
     target = f"127.0.0.1:{port}"
     if which == "gateway":
         return _gateway("kserve_gateway", command, target, run_dir, env=KSERVE_ENV)
     return _runtime("kserve_runtime", command, target, run_dir, expect, env=KSERVE_ENV)
+
+
+def start_kserve_x2(models: Path, run_dir: Path, spec: Path, expect: Path) -> Running:
+    """Two KServe runtime processes on one gRPC port, as two replicas (pods) of it on one node would be.
+
+    KServe's ``--workers`` forks its REST server only; its gRPC server is one process. gRPC binds with
+    ``SO_REUSEPORT``, so a second process on the same port shares it and the kernel spreads connections
+    over both, as it does over riskserve's two ingress replicas: the fair match when the client opens
+    several connections (``run.py --connections``). Ready when both answer on their own REST ports.
+    """
+    port, http_ports = _free_port(), (_free_port(), _free_port())
+    script = " & ".join(
+        f"{shlex.join(_kserve_command('runtime', models, spec, port, http))} >"
+        f"{shlex.quote(str(run_dir / f'kserve_runtime_x2-{index}.log'))} 2>&1"
+        for index, http in enumerate(http_ports)
+    )
+    target = f"127.0.0.1:{port}"
+    grpc_probe = _v2_probe(target, "decision")
+
+    def probe() -> str:
+        for http in http_ports:
+            if why := _http_ready(f"http://127.0.0.1:{http}/v2/models/decision/ready"):
+                return why
+        return grpc_probe()
+
+    client = ("--protocol", "v2", "--model", "decision", "--expect", str(expect))
+    env = _peer_env() | KSERVE_ENV
+    return launch("kserve_runtime_x2", ["sh", "-c", f"{script} & wait"], probe, run_dir, target=target,
+                  client=client, env=env)  # fmt: skip
+
+
+def _http_ready(url: str) -> str:
+    """'' once ``url`` answers 200, else why not."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as answer:
+            return "" if answer.status == 200 else f"{url}: HTTP {answer.status}"
+    except (OSError, urllib.error.URLError) as error:
+        return f"{url}: {error}"
 
 
 def start_triton(which: str, models: Path, run_dir: Path, spec: Path, expect: Path) -> Running:
@@ -455,6 +501,9 @@ def start(
         return dataclasses.replace(system, startup_s=time.perf_counter() - started)
     if name == "ray_serve":
         return start_ray_serve(models, run_dir, workload)
+    if name == "kserve_runtime_x2":
+        log(f"{name}: {PEERS['kserve'].pins}")
+        return start_kserve_x2(models, run_dir, spec, expect)
     peer, which = name.rsplit("_", 1)
     starter = {"mlserver": start_mlserver, "kserve": start_kserve, "triton": start_triton}[peer]
     log(f"{name}: {PEERS[peer if peer != 'triton' else 'pytriton'].pins}")

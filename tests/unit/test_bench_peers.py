@@ -107,3 +107,63 @@ def test_loadgen_counts_wrong_answers(tmp_path: Path) -> None:
     assert tally.wrong_example.startswith("a: credit 0.2002")
     tally.answered(0.001, [answer("b", 0.1, "DECLINE"), answer("zz", 0.1, "APPROVE")], expect)
     assert tally.wrong == 3
+
+
+def test_each_peer_row_is_its_fastest_way_and_x2_is_one_of_kserves() -> None:
+    """A peer measured as gateway, runtime and two runtime processes gets one row, the way that held the
+    highest rate; riskserve, the floor and plain Ray Serve keep their own rows; a wrong way never wins."""
+    from bench.peers.run import rows
+
+    def result(rate: float, per_s: float, wrong: int = 0) -> dict[str, object]:
+        return {"max_rate_p99_50ms": rate, "c8": {"decisions_per_s": per_s}, "wrong": wrong}
+
+    results = {
+        "floor": result(850, 1300),
+        "riskserve": result(850, 1000),
+        "ray_serve": result(25, 94),
+        "kserve_gateway": result(300, 404),
+        "kserve_runtime": result(500, 560),
+        "kserve_runtime_x2": result(700, 900),
+        "mlserver_runtime": result(900, 1000, wrong=3),
+        "mlserver_gateway": result(200, 396),
+    }
+    assert rows(results) == {
+        "floor": "floor",
+        "riskserve": "riskserve",
+        "ray_serve": "ray_serve",
+        "kserve": "kserve_runtime_x2",
+        "mlserver": "mlserver_gateway",
+    }
+
+
+def test_loadgen_channels_are_separate_connections() -> None:
+    """``--channels N`` must be N TCP connections: gRPC shares one connection among channels with the same
+    target and arguments unless each has its own subchannel pool."""
+    import asyncio
+    import contextlib
+    import socket
+
+    from bench.loadgen import Caller
+
+    async def connections(channels: int) -> int:
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        server.setblocking(False)
+        caller = Caller(f"127.0.0.1:{server.getsockname()[1]}", "p", channels)
+        for channel in caller.channels:
+            channel.get_state(try_to_connect=True)
+        accepted: list[socket.socket] = []
+        try:
+            for _ in range(75):  # 1.5 s: every connection the channels open arrives well within it
+                await asyncio.sleep(0.02)
+                with contextlib.suppress(BlockingIOError):
+                    accepted.append(server.accept()[0])
+            return len(accepted)
+        finally:
+            await caller.close()
+            for peer in accepted:
+                peer.close()
+            server.close()
+
+    assert asyncio.run(connections(3)) == 3
