@@ -704,10 +704,30 @@ class BareEngine:
         self._log.close()
 
 
+def _is_stopped(pid: int) -> bool | None:
+    """Whether ``pid`` is stopped by a signal (state ``T``), from the kernel; None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return None
+
+
+def _settle_state(pids: Sequence[int], stopped: bool, timeout_s: float = 2.0) -> None:
+    """Wait until every live process of ``pids`` is (or is no longer) stopped: a signal takes effect when
+    the process next enters the kernel, not when ``kill`` returns, so a running one can still be on a core."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(pids)
+    while pending and time.monotonic() < deadline:
+        pending = [pid for pid in pending if _is_stopped(pid) not in (stopped, None)]
+        if pending:
+            time.sleep(0.001)
+
+
 @contextlib.contextmanager
 def frozen(system: Running) -> Iterator[None]:
     """Every process of ``system`` stopped (SIGSTOP) for the duration, then continued: its idle
-    housekeeping (Ray's and Serve's timers, metrics) takes no CPU from what is measured meanwhile."""
+    housekeeping (Ray's and Serve's timers, metrics) takes no CPU from what is measured meanwhile. The
+    block starts once each process is stopped, and the context ends once each runs again."""
     pids = [system.root_pid, *descendants(system.root_pid)]
     stopped = []
     try:
@@ -715,11 +735,13 @@ def frozen(system: Running) -> Iterator[None]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
                 stopped.append(pid)
+        _settle_state(stopped, stopped=True)
         yield
     finally:
         for pid in reversed(stopped):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+        _settle_state(stopped, stopped=False)
 
 
 def paired_card_fraud(system: Running, bare: BareEngine, plan: Plan, channels: int) -> dict[str, Any]:
