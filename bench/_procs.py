@@ -20,10 +20,12 @@ reused during the window is not mistaken for the old process.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TreeSample", "cpu_delta", "descendants", "rss_bytes", "sample_tree"]
+__all__ = ["TreeSample", "cpu_delta", "descendants", "listening_pids", "rss_bytes", "sample_tree"]
 
 _PROC = Path("/proc")
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -111,3 +113,10 @@ def rss_bytes(pid: int) -> int:
             continue
         total += resident_pages * _PAGE
     return total
+
+
+def listening_pids(port: int) -> list[int]:
+    """Pids of the processes listening on TCP ``port``, in the order ``ss`` lists them, each once (several
+    ingress replicas share a port)."""
+    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True).stdout
+    return list(dict.fromkeys(int(pid) for pid in re.findall(r"pid=(\d+)", out)))

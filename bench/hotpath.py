@@ -201,16 +201,23 @@ def start_floor(models: Path, run_dir: Path) -> Running:
         process.kill()
         raise RuntimeError(f"the floor did not start ({line!r}); {log_path}:\n{_tail(log_path)}")
 
+    target = line.removeprefix("serving on ").strip()
+    stop = terminator(process, wait_s=10.0)
+    return Running("floor", "tabular_only", target, process.pid, False, stop, time.perf_counter() - started)
+
+
+def terminator(process: subprocess.Popen[str], wait_s: float) -> Callable[[], None]:
+    """A ``Running.stop`` for a server subprocess: SIGTERM, then SIGKILL if it is not gone in ``wait_s``."""
+
     def stop() -> None:
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(timeout=10)
+            process.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
 
-    target = line.removeprefix("serving on ").strip()
-    return Running("floor", "tabular_only", target, process.pid, False, stop, time.perf_counter() - started)
+    return stop
 
 
 def _first_line(process: subprocess.Popen[str], timeout_s: float) -> str:

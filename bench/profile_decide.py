@@ -14,12 +14,15 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._procs import listening_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -36,11 +39,10 @@ while time.time() < end:
 
 
 def _listener_pid(port: int) -> int:
-    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True).stdout
-    pids = re.findall(r"pid=(\d+)", out)
+    pids = listening_pids(port)
     if not pids:
         raise SystemExit(f"nothing listens on port {port}")
-    return int(pids[0])
+    return pids[0]
 
 
 def _shares(raw: Path, top: int) -> list[tuple[float, str]]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import hotpath
 from bench._common import write_results
-from bench._procs import TreeSample, sample_tree
+from bench._procs import TreeSample, listening_pids, sample_tree
 
 SYSTEMS = ("floor", "floor_in_replica", "tabular_only")
 CHILD_FLAG = "--child-floor-in-replica"
@@ -109,27 +108,14 @@ def start_floor_in_replica(models: Path) -> hotpath.Running:
         process.kill()
         raise RuntimeError(f"the floor in a replica did not start ({line!r})")
 
-    def stop() -> None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
     target = line.removeprefix("serving on ").strip()
+    stop = hotpath.terminator(process, wait_s=60.0)  # Serve and Ray shut down first
     return hotpath.Running(
         "floor_in_replica", "tabular_only", target, process.pid, False, stop, time.perf_counter() - started
     )
 
 
 # -- measuring ------------------------------------------------------------------------------------------
-
-
-def listeners(port: int) -> set[int]:
-    """Pids of the processes listening on ``port`` (several ingress replicas share it)."""
-    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True).stdout
-    return {int(pid) for pid in re.findall(r"pid=(\d+)", out)}
 
 
 def split_cpu(before: TreeSample, after: TreeSample, serving: set[int]) -> tuple[float, float]:
@@ -155,14 +141,12 @@ def measure(system: hotpath.Running, seconds: float) -> dict[str, Any]:
         ["-c1", "--calls=100000000", f"--seconds={seconds}", "--warmup=20"],
         bound_s=90 + seconds,
     )
-    serving = listeners(int(system.target.rsplit(":", 1)[1]))
+    serving = set(listening_pids(int(system.target.rsplit(":", 1)[1])))
     samples: dict[str, TreeSample] = {}
-    times: dict[str, float] = {}
 
     def mark(which: str) -> Any:
         def sample() -> None:
             samples[which] = sample_tree(system.root_pid)
-            times[which] = time.perf_counter()
 
         return sample
 

@@ -7,8 +7,8 @@ import os
 import socket
 import statistics
 
-from bench._procs import TreeSample
-from bench.replica_tax import listeners, split_cpu, summarise
+from bench._procs import TreeSample, listening_pids
+from bench.replica_tax import split_cpu, summarise
 
 
 def test_split_cpu_separates_the_serving_processes_from_the_rest() -> None:
@@ -30,8 +30,8 @@ def test_listeners_finds_this_process_listening_on_a_loopback_port() -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        assert listeners(port) == {os.getpid()}
-    assert listeners(port) == set()
+        assert listening_pids(port) == [os.getpid()]
+    assert listening_pids(port) == []
 
 
 def test_summarise_takes_each_systems_median_over_rounds() -> None:
