@@ -92,7 +92,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -422,10 +421,6 @@ def _series(spec: MetricSpec, tags: Mapping[str, str]) -> _Tags:
 _FLUSH_S: Final = 0.1
 """How often records reach Ray's metric objects (Ray itself reports to its agent at most once a second)."""
 
-_FLUSH_CHUNK: Final = 128
-"""Records the flusher drains between two chances it gives other threads to take the GIL: a decision
-arriving during a flush waits for one chunk (about 0.1 ms), not the whole flush."""
-
 
 def _report_interval_s() -> float:
     """How often this process's worker reports metrics (Ray floors the interval at 1 s)."""
@@ -468,25 +463,41 @@ class _Histogram:
         self.count = 0.0
         self.low = len(self.buckets)
 
-    def observe(self, values: list[float]) -> None:
-        """Count ``values`` into their buckets: ``le``, so a value equal to a bound is in its bucket."""
-        bounds, buckets, low = self.bounds, self.buckets, self.low
-        for value in values:
-            index = bisect.bisect_left(bounds, value)
-            buckets[index] += 1.0
-            if index < low:
-                low = index
-        self.low = low
-        self.total += sum(values)
-        self.count += len(values)
+    def observe(self, value: float) -> None:
+        """Count ``value`` into its bucket: ``le``, so a value equal to a bound is in its bucket."""
+        index = bisect.bisect_left(self.bounds, value)
+        self.buckets[index] += 1.0
+        if index < self.low:
+            self.low = index
+        self.total += value
+        self.count += 1.0
 
-    def cumulative(self) -> list[float]:
-        """The ``_bucket`` values, one per bound then ``+Inf``: observations at or below each bound."""
-        running, out = 0.0, []
+    @property
+    def changed(self) -> bool:
+        """Whether anything was observed since the last :meth:`snapshot` that took the changes."""
+        return self.low < len(self.buckets)
+
+    def snapshot(self, everything: bool) -> _HistogramSnapshot:
+        """The values to export (``everything``: every bucket, else those from ``low`` up); the changes
+        count as exported from here on."""
+        low = 0 if everything else self.low
+        self.low = len(self.buckets)
+        running, cumulative = 0.0, []
         for count in self.buckets:
             running += count
-            out.append(running)
-        return out
+            cumulative.append(running)
+        return _HistogramSnapshot(low, cumulative, self.total, self.count)
+
+
+@dataclass(frozen=True, slots=True)
+class _HistogramSnapshot:
+    """A histogram series' cumulative ``_bucket`` values (one per bound then ``+Inf``), sum and count, taken
+    under the record lock and exported outside it; ``low``: the first bucket to set."""
+
+    low: int
+    cumulative: list[float]
+    total: float
+    count: float
 
 
 def _part(spec: MetricSpec, suffix: str) -> MetricSpec:
@@ -513,14 +524,18 @@ class _Registry:
         self.retired: dict[tuple[str, str], list[str]] = {}
         self._refresher: threading.Thread | None = None
         self._refresh_failed = False
-        self._pending: collections.deque[tuple[MetricSpec, _Tags, float]] = collections.deque()
+        self._record_lock = threading.Lock()
+        """Held to tally a record and to take the tallies (never during a call into Ray)."""
+        self._sums: dict[tuple[str, _Tags], float] = {}
+        """Each counter series' sum since the last flush."""
+        self._specs: dict[str, MetricSpec] = {}
         self._flusher: threading.Thread | None = None
         self._flush_lock = threading.Lock()
         self._flush_failed = False
         self._histograms: dict[tuple[str, _Tags], _Histogram] = {}
         self._histogram_setters: dict[tuple[str, _Tags], tuple[list[_Setter], _Setter, _Setter] | None] = {}
         self._histogram_lock = threading.Lock()
-        """Held by whoever sets histogram gauges (flusher, refresher): a value never goes back in time."""
+        """Held by whoever exports histogram gauges (flusher, refresher): a value never goes back in time."""
 
     def _metric(self, spec: MetricSpec) -> Any:
         metric = self._metrics.get(spec.name)
@@ -555,19 +570,44 @@ class _Registry:
             return value
 
     def inc(self, spec: MetricSpec, tags: Mapping[str, str], value: float = 1.0) -> None:
-        """Count ``value`` into a counter series: queued now; the flusher tallies it and hands Ray the sum."""
+        """Count ``value`` into a counter series (the flusher hands Ray the sum)."""
         self.add(spec, _series(spec, tags), value)
 
     def observe(self, spec: MetricSpec, tags: Mapping[str, str], value: float) -> None:
-        """One observation of a histogram: queued now; the flusher buckets it (off the request path)."""
+        """One observation of a histogram series (the flusher exports its buckets)."""
         self.add(spec, _series(spec, tags), float(value))
 
     def add(self, spec: MetricSpec, series: _Tags, value: float) -> None:
-        """Record ``value`` into one series (its tags already ordered, see :func:`_series`): one append on
-        the request path; the flusher tallies it and hands it to Ray."""
-        self._pending.append((spec, series, value))
+        """Record ``value`` into one series (its tags already ordered, see :func:`_series`), tallied here.
+
+        A counter's value is summed, a histogram's counted into its bucket, on the recording thread under
+        a lock held for that alone. The flusher thread then takes the tallies whole, once per flush: its
+        work grows with the number of series, not of records. (It used to take every record from a queue,
+        which at a few thousand records a second kept it asking the busy event loop's thread for the GIL:
+        in a tight loop of decisions that hand-off cost ~0.1 ms a decision, about the decision itself.)
+        """
+        key = (spec.name, series)
+        with self._record_lock:
+            if spec.type == "counter":
+                sums = self._sums
+                total = sums.get(key)
+                if total is None:
+                    self._specs[spec.name] = spec
+                    sums[key] = value
+                else:
+                    sums[key] = total + value
+            else:
+                histogram = self._histograms.get(key)
+                if histogram is None:
+                    histogram = self._histograms[key] = _Histogram(spec)
+                histogram.observe(value)
         if self._flusher is None:
             self._start_flusher()
+
+    def add_many(self, records: Sequence[tuple[MetricSpec, _Tags, float]]) -> None:
+        """:meth:`add` for each record (one model call records three)."""
+        for spec, series, value in records:
+            self.add(spec, series, value)
 
     def _start_flusher(self) -> None:
         if self._flusher is None:
@@ -585,89 +625,55 @@ class _Registry:
 
     def flush(self) -> None:
         """Hand what was recorded since the last flush to Ray: one ``inc`` per counter series (the sum),
-        and for each histogram series observed, its cumulative buckets, sum and count as gauges. Ray
-        reports to its agent every report interval anyway, so the request path pays a deque append instead
-        of Ray's tag checks and a C++ call per record, and the agent sees one value per series and bucket
-        however many observations there were."""
+        and for each histogram series observed, its cumulative buckets (those that changed), sum and
+        count as gauges. Ray reports to its agent every report interval anyway, so the agent sees one value
+        per series and bucket however many observations there were."""
         with self._flush_lock:
-            specs: dict[str, MetricSpec] = {}
-            sums: dict[tuple[str, _Tags], float] = {}
-            values: dict[tuple[str, _Tags], list[float]] = {}
-            self._drain(specs, sums, values)
+            with self._record_lock:
+                sums, self._sums = self._sums, {}
+                specs = dict(self._specs)
             with self._lock:  # the local tally, and Ray's metric objects, made once under this lock
                 counts = self._counts
                 for key, total in sums.items():
                     counts[key] = counts.get(key, 0.0) + total
-                for key, batch in values.items():
-                    counts[key] = counts.get(key, 0.0) + len(batch)
                 metrics = {name: self._metric(specs[name]) for name, _ in sums}
-                if values:
-                    self._start_refresher()
             try:
                 for (name, tags), total in sums.items():
                     metrics[name].inc(total, tags=dict(tags))
-                for key, batch in values.items():
-                    time.sleep(0)  # one series at a time: see _drain
-                    with self._histogram_lock:
-                        histogram = self._histograms.get(key)
-                        if histogram is None:
-                            histogram = self._histograms[key] = _Histogram(specs[key[0]])
-                        histogram.observe(batch)
-                        self._export(histogram.spec, key[1], everything=False)
+                self._export_histograms(everything=False)
             except Exception:
                 if not self._flush_failed:
                     self._flush_failed = True
                     logger.exception("riskserve metrics: handing records to Ray failed")
 
-    def _drain(
-        self,
-        specs: dict[str, MetricSpec],
-        sums: dict[tuple[str, _Tags], float],
-        values: dict[tuple[str, _Tags], list[float]],
-    ) -> None:
-        """Take every pending record: counters summed per series, histograms' values listed per series.
-
-        :data:`_FLUSH_CHUNK` records at a time, with ``sleep(0)`` between chunks: it releases the GIL,
-        which a thread waiting for it (the event loop with a decision to answer) then takes. Without it
-        this loop keeps the GIL for the whole drain (0.8 ms for 70 tabular decisions' records, measured),
-        and a decision that arrives meanwhile waits that long.
-        """
-        popleft = self._pending.popleft
-        while True:
-            for _ in range(_FLUSH_CHUNK):
-                try:
-                    spec, tags, value = popleft()
-                except IndexError:
-                    return
-                key = (spec.name, tags)
-                if spec.type == "counter":
-                    sums[key] = sums.get(key, 0.0) + value
-                else:
-                    batch = values.get(key)
-                    if batch is None:
-                        batch = values[key] = []
-                    batch.append(value)
-                if key[0] not in specs:
-                    specs[key[0]] = spec
-            time.sleep(0)
-
-    def _export(self, spec: MetricSpec, tags: _Tags, everything: bool) -> None:
-        """Set one histogram series' gauges: the buckets that changed (``everything``: all), sum, count.
-
-        Under the histogram lock. ``len(boundaries) + 3`` Ray calls at most, however many observations.
-        """
-        key = (spec.name, tags)
-        histogram = self._histograms[key]
-        setters = self._setters(spec, tags)
-        low, histogram.low = (0 if everything else histogram.low), len(histogram.buckets)
-        if setters is None:
-            return
-        buckets, total, count = setters
-        cumulative = histogram.cumulative()
-        for index in range(low, len(cumulative)):
-            buckets[index](cumulative[index])
-        total(histogram.total)
-        count(histogram.count)
+    def _export_histograms(self, everything: bool) -> None:
+        """Set the gauges of every histogram series that changed (``everything``: of every series, every
+        bucket). Under the histogram lock, so a gauge never goes back in time: snapshots are taken and set in
+        order. ``len(boundaries) + 3`` Ray calls a series at most, however many observations."""
+        with self._histogram_lock:
+            with self._record_lock:
+                taken = [
+                    (key, histogram.spec, histogram.snapshot(everything))
+                    for key, histogram in self._histograms.items()
+                    if everything or histogram.changed
+                ]
+            if not taken:
+                return
+            with self._lock:
+                for key, _, snapshot in taken:
+                    self._counts[key] = snapshot.count
+                if not everything:
+                    self._start_refresher()
+            for key, spec, snapshot in taken:
+                setters = self._setters(spec, key[1])
+                if setters is None:
+                    continue
+                buckets, total, count = setters
+                cumulative = snapshot.cumulative
+                for index in range(snapshot.low, len(cumulative)):
+                    buckets[index](cumulative[index])
+                total(snapshot.total)
+                count(snapshot.count)
 
     def _setters(self, spec: MetricSpec, tags: _Tags) -> tuple[list[_Setter], _Setter, _Setter] | None:
         """The calls that set one histogram series' gauges, built once per series (None: Ray discards it)."""
@@ -768,14 +774,12 @@ class _Registry:
                     if not self._refresh_failed:
                         self._refresh_failed = True
                         logger.exception("riskserve metrics: re-sending gauge %s failed", name)
-        with self._histogram_lock:
-            for (name, tags), histogram in self._histograms.items():
-                try:
-                    self._export(histogram.spec, tags, everything=True)
-                except Exception:
-                    if not self._refresh_failed:
-                        self._refresh_failed = True
-                        logger.exception("riskserve metrics: re-sending histogram %s failed", name)
+        try:
+            self._export_histograms(everything=True)
+        except Exception:
+            if not self._refresh_failed:
+                self._refresh_failed = True
+                logger.exception("riskserve metrics: re-sending histograms failed")
 
 
 _registry_lock = threading.Lock()

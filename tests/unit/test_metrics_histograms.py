@@ -9,9 +9,7 @@ counts the calls reaching Ray's own recorder and passes each one on.
 from __future__ import annotations
 
 import random
-import sys
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -131,38 +129,49 @@ def test_each_series_keeps_its_own_buckets_with_le_written_as_ray_writes_it() ->
     assert registry.recorded(spec, {"kind": "treelite"}) == 4.0
 
 
-def test_a_long_flush_lets_another_thread_take_the_gil_between_chunks() -> None:
-    """The flusher shares the GIL with the event loop: a decision arriving during a flush must wait for
-    one chunk of records, not the whole flush. With forced switching held off (a 10 s switch interval),
-    the watcher can only run while the flush gives the GIL up of its own accord, so it sees the pending
-    queue part-drained only if the flush yields between chunks."""
+def test_records_from_many_threads_during_flushes_are_all_counted_once() -> None:
+    """Records are tallied where they are made, and each flush takes the tallies whole: four threads
+    recording while flushes run back to back lose no record and count none twice (a flush that took a
+    tally while a record was being added to it would lose that record)."""
     registry = metrics._Registry()
-    series = (("pipeline", "gil_unit"),)
-    total = 10 * metrics._FLUSH_CHUNK
-    with registry._flush_lock:  # the background flusher waits: every record is drained by the flush below
-        for _ in range(total):
-            registry.add(DECISION_LATENCY, series, 0.001)
-    seen: list[int] = []
-    done = threading.Event()
+    counter = metrics.DECISIONS
+    counted = (("pipeline", "threads_unit"), ("outcome", "APPROVE"))
+    timed = (("pipeline", "threads_unit"),)
+    per_thread, threads = 20_000, 4
+    start = threading.Barrier(threads + 1)
 
-    def watch() -> None:
-        while not done.is_set():
-            seen.append(len(registry._pending))
-            time.sleep(0)
+    def record() -> None:
+        start.wait()
+        for i in range(per_thread):
+            registry.add(counter, counted, 1.0)
+            registry.add(DECISION_LATENCY, timed, 0.001 * (i % 7))
 
-    interval = sys.getswitchinterval()
-    watcher = threading.Thread(target=watch, daemon=True)
-    sys.setswitchinterval(10.0)
-    try:
-        watcher.start()
-        while not seen:
-            time.sleep(0.001)
+    workers = [threading.Thread(target=record) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    start.wait()
+    flushes = 0
+    while any(worker.is_alive() for worker in workers):
         registry.flush()
-        done.set()
-        watcher.join(timeout=30)
-    finally:
-        sys.setswitchinterval(interval)
-    part_drained = sorted({n for n in seen if 0 < n < total})
-    assert part_drained, f"the watcher never ran during the flush (saw only {sorted(set(seen))})"
-    assert all(n % metrics._FLUSH_CHUNK == 0 for n in part_drained)  # it ran between chunks, not inside one
-    assert metrics._Registry.recorded(registry, DECISION_LATENCY, {"pipeline": "gil_unit"}) == total
+        flushes += 1
+    for worker in workers:
+        worker.join()
+    assert flushes > 1  # the flushes really ran while the records were being made
+    assert registry.recorded(counter, {"pipeline": "threads_unit"}) == threads * per_thread
+    assert registry.recorded(DECISION_LATENCY, {"pipeline": "threads_unit"}) == threads * per_thread
+    histogram = registry._histograms[(DECISION_LATENCY.name, timed)]
+    assert histogram.total == pytest.approx(threads * sum(0.001 * (i % 7) for i in range(per_thread)))
+
+
+def test_recording_keeps_one_tally_per_series_not_one_entry_per_record() -> None:
+    """What the flusher takes grows with the series, not the records: 10,000 records of two series leave
+    two tallies, so a flush is as cheap after a busy second as after a quiet one."""
+    registry = metrics._Registry()
+    with registry._flush_lock:  # the background flusher waits
+        for _ in range(5_000):
+            registry.add(metrics.DECISIONS, (("pipeline", "tally_unit"), ("outcome", "REVIEW")), 1.0)
+            registry.add(DECISION_LATENCY, (("pipeline", "tally_unit"),), 0.002)
+        assert registry._sums == {
+            (metrics.DECISIONS.name, (("pipeline", "tally_unit"), ("outcome", "REVIEW"))): 5_000.0
+        }
+        assert [h.count for h in registry._histograms.values()] == [5_000.0]
