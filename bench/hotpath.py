@@ -89,6 +89,8 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     # The floor's work exactly: no reason codes (a DECLINE or REVIEW pays ~2.5 ms of TreeSHAP for them).
     "tabular_plain": Variant("tabular_only", {}, drop=("reasons",)),
+    # One ingress replica instead of the default two: what the second replica (availability) costs.
+    "tabular_one_ingress": Variant("tabular_only", {}, add=(("serving", {"ingress": {"replicas": 1}}),)),
     # tabular_only with the decision audit trail (as card_fraud ships it: write-ahead journal, SQLite in a
     # background thread): what keeping every decision costs.
     "tabular_audit": Variant("tabular_only", {}, add=(("audit", {"path": "audit"}),)),

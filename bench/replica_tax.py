@@ -181,10 +181,10 @@ def start(name: str, models: Path, run_dir: Path) -> hotpath.Running:
     return hotpath.start_riskserve(name, models, run_dir)
 
 
-def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def summarise(rows: list[dict[str, Any]], systems: Sequence[str] = SYSTEMS) -> dict[str, dict[str, float]]:
     """Per system, the median of each figure over the rounds."""
     out: dict[str, dict[str, float]] = {}
-    for name in SYSTEMS:
+    for name in systems:
         mine = [r for r in rows if r["system"] == name]
         if mine:
             keys = [k for k, v in mine[0].items() if isinstance(v, float)]
@@ -222,6 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--out", type=Path, default=hotpath.ROOT / "bench" / "out")
+    parser.add_argument(
+        "--systems", nargs="+", default=list(SYSTEMS), help=f"a subset of {SYSTEMS} or hotpath variants"
+    )
     args = parser.parse_args(argv)
     models = args.models.resolve()
     run_dir = args.out / ".replica_tax"
@@ -229,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("RISKSERVE_STATE_DIR", str(run_dir / "state"))
     rows: list[dict[str, Any]] = []
     for index in range(args.rounds):
-        for name in SYSTEMS:
+        for name in args.systems:
             hotpath.log(f"round {index + 1}/{args.rounds}: {name}: starting")
             system = start(name, models, run_dir)
             try:
@@ -238,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 system.stop()
             rows.append(row)
             hotpath.log(json.dumps(row))
-    summary = summarise(rows)
+    summary = summarise(rows, args.systems)
     results = {"rounds": rows, "median": summary, "seconds": args.seconds}
     path = write_results(args.out, "replica_tax", results)
     for name, figures in summary.items():
