@@ -78,9 +78,10 @@ class CandidateReport(_Schema):
     artifact: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ModelAnswer:
-    """A model's answer for one batch, one shape from the model to the decision step."""
+    """A model's answer for one batch, one shape from the model to the decision step (slotted, not frozen:
+    made once per model call, see ``ModelOutput``; treat it as immutable)."""
 
     model: str
     version: str

@@ -145,9 +145,10 @@ class ModelResult:
                 f"fallback_reason={self.fallback_reason!r}, latency_ms={self.latency_ms!r})")  # fmt: skip
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decision:
-    """The outcome for one request, its risk score and the reasons, most important first."""
+    """The outcome for one request, its risk score and the reasons, most important first (made once per
+    row: slotted, not frozen, as ``ModelResult``; treat it as immutable)."""
 
     outcome: Outcome
     risk_score: float
