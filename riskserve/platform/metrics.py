@@ -604,11 +604,6 @@ class _Registry:
         if self._flusher is None:
             self._start_flusher()
 
-    def add_many(self, records: Sequence[tuple[MetricSpec, _Tags, float]]) -> None:
-        """:meth:`add` for each record (one model call records three)."""
-        for spec, series, value in records:
-            self.add(spec, series, value)
-
     def _start_flusher(self) -> None:
         if self._flusher is None:
             with self._lock:
