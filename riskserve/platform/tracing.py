@@ -58,6 +58,7 @@ from opentelemetry.util.types import AttributeValue
 from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict, Field, model_validator
 
+from riskserve.platform.entropy import random_bytes
 from riskserve.platform.errors import ConfigError
 
 __all__ = [
@@ -449,7 +450,7 @@ def trace_id_of(carrier: Mapping[str, str] | None) -> str:
 def new_trace_id() -> str:
     """A new random, valid (non-zero) trace id, 32 lowercase hex digits, as a new root would get."""
     while True:
-        value = os.urandom(16).hex()
+        value = random_bytes(16).hex()
         if value != "0" * 32:
             return value
 
