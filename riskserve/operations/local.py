@@ -44,6 +44,7 @@ from riskserve.schema.pools import check_pools, single_node_resources
 
 __all__ = [
     "LOOPBACK_RAY_ENV",
+    "QUIET_SERVE_ENV",
     "LocalState",
     "connected",
     "deploy_to_cluster",
@@ -59,6 +60,11 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0
 LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 """Single-machine Ray: every Ray process uses 127.0.0.1 as its node address (read when Ray is imported)."""
+QUIET_SERVE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+"""Defaults for the Ray that ``up`` starts, each overridden by the operator's own environment. Serve's
+controller runs its control loop every 0.1 s by default: at rest that loop and the GCS calls it makes took
+5.6% of a core of the local Ray's 12.6% (2 cores, ``tabular_only``); every 0.5 s, 2.7%. A deploy, a swap or a
+replica restart is noticed up to 0.4 s later; decisions never pass through the controller."""
 
 
 class LocalState(_Schema):
@@ -294,7 +300,7 @@ def up_local(
     if host is not None:
         command += ["--host", host]
     command += [str(Path(p).resolve()) for p in paths]
-    env = {**os.environ, **LOOPBACK_RAY_ENV, **token_mode_env(token)}
+    env = {**QUIET_SERVE_ENV, **os.environ, **LOOPBACK_RAY_ENV, **token_mode_env(token)}
     env.pop("RAY_AUTH_TOKEN", None)  # it would win over the install's token file
     with log_path.open("w") as log:
         process = subprocess.Popen(

@@ -344,3 +344,41 @@ def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env
         "artifacts": {"credit": str(models_dir / "credit"), "fraud": str(models_dir / "fraud")},
         "shadows": {},  # no candidate runs beside a model until `riskserve shadow` starts one
     }
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone, or not ours
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {key.decode(errors="replace"): value.decode(errors="replace") for key, value in pairs}
+
+
+def test_the_local_rays_serve_controller_runs_the_quieter_control_loop(
+    running: int, cli_env: dict[str, str]
+) -> None:
+    """``up`` starts Ray with Serve's control loop every 0.5 s (QUIET_SERVE_ENV), read from the controller's
+    own environment in the kernel; an operator's own value would win (the variable is a default)."""
+    from riskserve.operations.local import QUIET_SERVE_ENV
+
+    assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in cli_env  # else this run tests the operator's value
+    controllers = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            command = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        environ = _environ(int(proc.name))
+        if command.startswith(b"ray::ServeController") and (
+            environ.get("RISKSERVE_STATE_DIR") == cli_env["RISKSERVE_STATE_DIR"]
+        ):
+            controllers.append(environ)
+    assert len(controllers) == 1, f"{len(controllers)} Serve controllers of this riskserve up"
+    assert (
+        controllers[0]["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]
+        == QUIET_SERVE_ENV["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]
+        == "0.5"
+    )
