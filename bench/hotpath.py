@@ -102,6 +102,10 @@ VARIANTS: dict[str, Variant] = {
         "card_fraud", {"intent": {"batching": {"max_batch_size": 8, "max_wait_ms": 2}}}
     ),
 }
+FLEET_CONNECTIONS = 8
+"""The c=8 phase runs twice: its eight callers share one connection (``--channels``, one by default: what
+served the floor best), then each has its own, as eight callers in a fleet would (``c8_fleet``): the kernel
+then spreads them over every process listening on the port (riskserve's two ingress replicas)."""
 TABULAR_START_S = 300.0
 LLM_START_S = 600.0
 
@@ -470,6 +474,13 @@ def measure_grpc(system: Running, plan: Plan, channels: int) -> dict[str, Any]:
         f"{system.name}: c=8 {_brief(out['c8'])}; server {server['cpu_ms_per_decision']:.3f} "
         f"CPU-ms/decision, {server['cores_busy']:.2f} cores, {server['rss_mb']:.0f} MB"
     )
+    if channels < FLEET_CONNECTIONS:
+        out["c8_fleet"] = closed(system, 8, plan.c8_calls, plan, FLEET_CONNECTIONS)
+        fleet = out["c8_fleet"]["server"]
+        log(
+            f"{system.name}: c=8 over {FLEET_CONNECTIONS} connections {_brief(out['c8_fleet'])}; server "
+            f"{fleet['cpu_ms_per_decision']:.3f} CPU-ms/decision, {fleet['cores_busy']:.2f} cores"
+        )
     out["batch"] = batch(system, plan)
     log(f"{system.name}: DecideBatch({plan.batch_rows}) {_brief(out['batch'])}")
     out["open"] = []
@@ -813,6 +824,12 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, float]]:
             / floor["c8"]["server"]["cpu_ms_per_decision"],
             "batch": system["batch"]["latency_ms"]["p50"] / floor["batch"]["latency_ms"]["p50"],
         }
+        if "c8_fleet" in system and "c8_fleet" in floor:
+            fleet, floor_fleet = system["c8_fleet"], floor["c8_fleet"]
+            out[name]["throughput_c8_fleet"] = fleet["decisions_per_s"] / floor_fleet["decisions_per_s"]
+            out[name]["cpu_per_decision_fleet"] = (
+                fleet["server"]["cpu_ms_per_decision"] / floor_fleet["server"]["cpu_ms_per_decision"]
+            )
     return out
 
 
@@ -842,9 +859,18 @@ def print_report(results: dict[str, Any], table: dict[str, dict[str, float]], pl
         print(f"{'system':<18} | {'p50 c=1':>8} {'p99 c=1':>8} {'dec/s c=8':>10} {'CPU/dec':>8} {'batch':>7}")
         for name, row in table.items():
             print(
-                f"{name:<18} | {row['p50_c1']:>7.1f}x {row['p99_c1']:>7.1f}x {row['throughput_c8']:>9.2f}x "
-                f"{row['cpu_per_decision']:>7.1f}x {row['batch']:>6.1f}x"
+                f"{name:<18} | {row['p50_c1']:>7.2f}x {row['p99_c1']:>7.2f}x {row['throughput_c8']:>9.2f}x "
+                f"{row['cpu_per_decision']:>7.2f}x {row['batch']:>6.2f}x"
             )
+        fleet_rows = {name: row for name, row in table.items() if "throughput_c8_fleet" in row}
+        if fleet_rows:
+            connections = f"each caller its own connection ({FLEET_CONNECTIONS})"
+            print(f"\nc=8, {connections}; ratio to the floor's same phase")
+            for name, row in fleet_rows.items():
+                print(
+                    f"{name:<18} | dec/s {row['throughput_c8_fleet']:>5.2f}x  "
+                    f"CPU/dec {row['cpu_per_decision_fleet']:>5.2f}x"
+                )
     print("\nopen loop (offered/s -> answered/s, p50 / p99 ms, errors, fallbacks)")
     for name in GRPC_SYSTEMS:
         r = results.get(name)

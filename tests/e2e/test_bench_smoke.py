@@ -56,7 +56,7 @@ def test_hotpath_quick_floor(demo_models: Path, tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
     floor = json.loads((tmp_path / "hotpath.json").read_text())["systems"]["floor"]
-    for phase in (floor["c1"], floor["c8"], floor["batch"], *floor["open"]):
+    for phase in (floor["c1"], floor["c8"], floor["c8_fleet"], floor["batch"], *floor["open"]):
         assert phase["latency_ms"]["p50"] > 0
         assert phase["latency_ms"]["p99"] >= phase["latency_ms"]["p50"]
         assert phase["decisions"] > 0
@@ -64,6 +64,8 @@ def test_hotpath_quick_floor(demo_models: Path, tmp_path: Path) -> None:
         assert phase["fallback_count"] == 0
     assert floor["batch"]["decisions"] == floor["batch"]["ok"] * 100
     assert floor["c8"]["server"]["cpu_ms_per_decision"] > 0
+    assert floor["c8"]["channels"] == 1 and floor["c8_fleet"]["channels"] == 8  # shared, then one each
+    assert floor["c8_fleet"]["server"]["cpu_ms_per_decision"] > 0
     assert floor["c8"]["server"]["rss_mb"] > 0
     assert (tmp_path / "hotpath.png").stat().st_size > 0
     assert not list(tmp_path.glob(".hotpath-*")), "the run directory is removed"
