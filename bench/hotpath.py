@@ -446,6 +446,15 @@ def _brief(result: dict[str, Any]) -> str:
     return text
 
 
+def _server_brief(result: dict[str, Any]) -> str:
+    """The server side of a :func:`closed` phase: CPU per decision, cores busy, resident memory."""
+    server = result["server"]
+    return (
+        f"server {server['cpu_ms_per_decision']:.3f} CPU-ms/decision, {server['cores_busy']:.2f} cores, "
+        f"{server['rss_mb']:.0f} MB"
+    )
+
+
 def settle(system: Running, *, idle_cores: float = 0.1, patience_s: float = 45.0) -> float:
     """Wait until the server's processes are idle (a fresh Ray keeps starting agents for a while after
     ``riskserve up`` returns); the same rule for every system. Returns the seconds waited."""
@@ -469,18 +478,12 @@ def measure_grpc(system: Running, plan: Plan, channels: int) -> dict[str, Any]:
     out["c1"] = closed(system, 1, plan.c1_calls, plan, channels)
     log(f"{system.name}: c=1 {_brief(out['c1'])}")
     out["c8"] = closed(system, 8, plan.c8_calls, plan, channels)
-    server = out["c8"]["server"]
-    log(
-        f"{system.name}: c=8 {_brief(out['c8'])}; server {server['cpu_ms_per_decision']:.3f} "
-        f"CPU-ms/decision, {server['cores_busy']:.2f} cores, {server['rss_mb']:.0f} MB"
-    )
+    log(f"{system.name}: c=8 {_brief(out['c8'])}; {_server_brief(out['c8'])}")
     if channels < FLEET_CONNECTIONS:
         out["c8_fleet"] = closed(system, 8, plan.c8_calls, plan, FLEET_CONNECTIONS)
-        fleet = out["c8_fleet"]["server"]
-        log(
-            f"{system.name}: c=8 over {FLEET_CONNECTIONS} connections {_brief(out['c8_fleet'])}; server "
-            f"{fleet['cpu_ms_per_decision']:.3f} CPU-ms/decision, {fleet['cores_busy']:.2f} cores"
-        )
+        fleet = out["c8_fleet"]
+        phase = f"c=8 over {FLEET_CONNECTIONS} connections"
+        log(f"{system.name}: {phase} {_brief(fleet)}; {_server_brief(fleet)}")
     out["batch"] = batch(system, plan)
     log(f"{system.name}: DecideBatch({plan.batch_rows}) {_brief(out['batch'])}")
     out["open"] = []
