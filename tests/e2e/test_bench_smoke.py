@@ -173,9 +173,12 @@ def test_bare_engine_rounds_time_the_prompts_they_are_asked_for(demo_models: Pat
     bare = BareEngine(demo_models, QUICK, tmp_path)
     try:
         assert bare.startup_s > 0
-        first, second = bare.round(3), bare.round(4)
+        first, second = bare.round(3), bare.round(4, gap_ms=20.0)
     finally:
         bare.close()
     assert (first["prompts"], second["prompts"]) == (3, 4)
+    assert (first["gap_ms"], second["gap_ms"]) == (0.0, 20.0)
+    # the idle gap before each prompt is not timed: a 20 ms gap would show in every sample otherwise
+    assert second["single"]["p50"] < 20.0
     for answer in (first, second):
         assert 0 < answer["single"]["p50"] <= answer["single"]["max"]
