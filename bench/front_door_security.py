@@ -38,8 +38,11 @@ class _Instant:
     decision_timeout_ms = 10_000.0
     metrics = PipelineMetrics("bench")
 
-    async def decide(self, requests: Sequence[pb.DecideRequest], *_: Any) -> list[pb.DecideResponse]:
-        return [pb.DecideResponse(request_id=r.request_id) for r in requests]
+    async def decide(
+        self, requests: Sequence[pb.DecideRequest], *_: Any, into: pb.DecideBatchResponse | None = None
+    ) -> list[pb.DecideResponse]:
+        make = pb.DecideResponse if into is None else into.responses.add
+        return [make(request_id=r.request_id) for r in requests]
 
     async def describe(self) -> pb.DescribeResponse:
         return pb.DescribeResponse()

@@ -77,20 +77,31 @@ class DecisionFlow:
         """Audit records carry the encoded rows (the feedback log's learners train on them)."""
 
     async def decide(
-        self, requests: Sequence[pb.DecideRequest], trace_id: str, deadline: float, traced: bool
+        self,
+        requests: Sequence[pb.DecideRequest],
+        trace_id: str,
+        deadline: float,
+        traced: bool,
+        into: pb.DecideBatchResponse | None = None,
     ) -> list[pb.DecideResponse]:
-        """Decide every request; the responses come in the same order."""
+        """Decide every request; the responses come in the same order. With ``into`` (an empty batch
+        response), they are made as its responses, and the list returned holds them."""
         gate = self.shadows.gate if self.shadows is not None else None
         if gate is None:
-            return await self._decide(requests, trace_id, deadline, traced)
+            return await self._decide(requests, trace_id, deadline, traced, into)
         gate.enter()  # shadows wait while any decision is in flight
         try:
-            return await self._decide(requests, trace_id, deadline, traced)
+            return await self._decide(requests, trace_id, deadline, traced, into)
         finally:
             gate.leave()
 
     async def _decide(
-        self, requests: Sequence[pb.DecideRequest], trace_id: str, deadline: float, traced: bool
+        self,
+        requests: Sequence[pb.DecideRequest],
+        trace_id: str,
+        deadline: float,
+        traced: bool,
+        into: pb.DecideBatchResponse | None,
     ) -> list[pb.DecideResponse]:
         started = time.perf_counter()
         raw = [raw_request(r) for r in requests]
@@ -124,6 +135,7 @@ class DecisionFlow:
                 spec=self.spec,
                 trace_id=trace_id,
                 top_reasons=reasons.get(i, ()),
+                into=into,
             )
             for i, (request_id, (decision, results)) in enumerate(zip(ids, decided, strict=True))
         ]

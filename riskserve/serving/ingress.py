@@ -217,9 +217,12 @@ class PipelineIngress:
 
     # -- the front door's calls ------------------------------------------------------------------------
 
-    async def decide(self, requests: Any, trace_id: str, deadline: float, traced: bool) -> Any:
-        """Decide a batch (the front door's Decide and DecideBatch)."""
-        return await self._flow.decide(requests, trace_id, deadline, traced)
+    async def decide(
+        self, requests: Any, trace_id: str, deadline: float, traced: bool, into: Any = None
+    ) -> Any:
+        """Decide a batch (the front door's Decide and DecideBatch; ``into``: see
+        :meth:`~riskserve.serving.flow.DecisionFlow.decide`)."""
+        return await self._flow.decide(requests, trace_id, deadline, traced, into)
 
     async def describe(self) -> pb.DescribeResponse:
         """The pipeline's features and models with their serving versions, from the state this replica

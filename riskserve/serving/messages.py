@@ -15,8 +15,17 @@ __all__ = ["decide_response", "describe_response", "raw_request"]
 
 
 def raw_request(request: pb.DecideRequest) -> RawRequest:
-    """The feature part of a ``DecideRequest``."""
-    return RawRequest(numeric=dict(request.numeric), categorical=dict(request.categorical), text=request.text)
+    """The feature part of a ``DecideRequest``.
+
+    The maps are copied key by key: protobuf's map types are registered ``Mapping``s, so ``dict(map)``
+    goes through the ABC's Python ``keys()`` view (1.30 against 0.84 us a map, 0.9 ms a 1,000-row batch).
+    """
+    numeric, categorical = request.numeric, request.categorical
+    return RawRequest(
+        numeric={name: numeric[name] for name in numeric},
+        categorical={name: categorical[name] for name in categorical},
+        text=request.text,
+    )
 
 
 def decide_response(
@@ -28,13 +37,18 @@ def decide_response(
     spec: PipelineSpec,
     trace_id: str,
     top_reasons: Sequence[Reason] = (),
+    into: pb.DecideBatchResponse | None = None,
 ) -> pb.DecideResponse:
-    """A ``DecideResponse`` with one ``ModelScore`` per model, in the pipeline's model order.
+    """A ``DecideResponse`` with one ``ModelScore`` per model, in the pipeline's model order; with ``into``,
+    made as the next of that batch's responses.
 
     Nested messages are added in place (``add``) and fields left at their defaults are not passed: building
     ModelScore messages first and handing the list over copies each, about twice the time for a batch.
+    Likewise a batch's responses: made apart, ``DecideBatchResponse(responses=...)`` copies them all
+    (0.74 ms for 1,000).
     """
-    response = pb.DecideResponse(
+    make = pb.DecideResponse if into is None else into.responses.add
+    response = make(
         request_id=request_id,
         decision_id=decision_id,
         decision=decision.outcome,

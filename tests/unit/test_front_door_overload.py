@@ -37,13 +37,19 @@ class HeldPipeline:
         self.in_flight = 0
 
     async def decide(
-        self, requests: Sequence[pb.DecideRequest], trace_id: str, deadline: float, traced: bool
+        self,
+        requests: Sequence[pb.DecideRequest],
+        trace_id: str,
+        deadline: float,
+        traced: bool,
+        into: pb.DecideBatchResponse | None = None,
     ) -> list[pb.DecideResponse]:
         self.in_flight += 1
         try:
             if self.hold is not None:
                 await self.hold.wait()
-            return [pb.DecideResponse(request_id=r.request_id, pipeline=NAME) for r in requests]
+            make = pb.DecideResponse if into is None else into.responses.add
+            return [make(request_id=r.request_id, pipeline=NAME) for r in requests]
         finally:
             self.in_flight -= 1
 

@@ -59,14 +59,20 @@ class EchoPipeline:
     most_in_flight: int = 0
 
     async def decide(
-        self, requests: Sequence[pb.DecideRequest], trace_id: str, deadline: float, traced: bool
+        self,
+        requests: Sequence[pb.DecideRequest],
+        trace_id: str,
+        deadline: float,
+        traced: bool,
+        into: pb.DecideBatchResponse | None = None,
     ) -> list[pb.DecideResponse]:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
             if self.hold is not None:
                 await self.hold.wait()
-            return [pb.DecideResponse(request_id=r.request_id, pipeline=self.name) for r in requests]
+            make = pb.DecideResponse if into is None else into.responses.add
+            return [make(request_id=r.request_id, pipeline=self.name) for r in requests]
         finally:
             self.in_flight -= 1
 

@@ -24,3 +24,19 @@ def test_the_contract_keeps_its_field_numbers() -> None:
         "Decide", "DecideBatch", "Describe", "Feedback",
     ]  # fmt: skip
     assert pb.Decision.Value("DECLINE") == 3
+
+
+def test_raw_request_copies_every_map_entry_and_the_text() -> None:
+    from riskserve.serving.messages import raw_request
+
+    request = pb.DecideRequest(
+        numeric={"amount": 12.5, "hour": 0.0}, categorical={"channel": "pos"}, text="refund please"
+    )
+    raw = raw_request(request)
+    assert raw.numeric == {"amount": 12.5, "hour": 0.0}
+    assert raw.categorical == {"channel": "pos"}
+    assert raw.text == "refund please"
+    assert type(raw.numeric) is dict  # plain dicts, not views of the message
+    assert type(raw.categorical) is dict
+    empty = raw_request(pb.DecideRequest())
+    assert (empty.numeric, empty.categorical, empty.text) == ({}, {}, "")
