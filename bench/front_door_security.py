@@ -28,6 +28,7 @@ from riskserve.platform.metrics import PipelineMetrics
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.schema.pipeline import FrontDoorSpec
 from riskserve.serving.frontdoor import Admission, FrontDoor
+from riskserve.serving.messages import response_maker
 from riskserve.serving.tokens import Caller
 
 
@@ -41,7 +42,7 @@ class _Instant:
     async def decide(
         self, requests: Sequence[pb.DecideRequest], *_: Any, into: pb.DecideBatchResponse | None = None
     ) -> list[pb.DecideResponse]:
-        make = pb.DecideResponse if into is None else into.responses.add
+        make = response_maker(into)
         return [make(request_id=r.request_id) for r in requests]
 
     async def describe(self) -> pb.DescribeResponse:

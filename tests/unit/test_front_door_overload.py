@@ -20,6 +20,7 @@ from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.schema.pipeline import FrontDoorSpec
 from riskserve.serving.frontdoor import Admission, FrontDoor
+from riskserve.serving.messages import response_maker
 from riskserve.serving.tokens import Caller
 
 NAME = "overload"
@@ -48,7 +49,7 @@ class HeldPipeline:
         try:
             if self.hold is not None:
                 await self.hold.wait()
-            make = pb.DecideResponse if into is None else into.responses.add
+            make = response_maker(into)
             return [make(request_id=r.request_id, pipeline=NAME) for r in requests]
         finally:
             self.in_flight -= 1

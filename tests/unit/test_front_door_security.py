@@ -35,6 +35,7 @@ from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.schema.pipeline import FrontDoorSpec, parse_pipeline
 from riskserve.serving.auth import label_source
 from riskserve.serving.frontdoor import Admission, FrontDoor, check_front_door
+from riskserve.serving.messages import response_maker
 from riskserve.serving.tokens import Caller, TokenStore
 
 from ..conftest import PIPELINES
@@ -71,7 +72,7 @@ class EchoPipeline:
         try:
             if self.hold is not None:
                 await self.hold.wait()
-            make = pb.DecideResponse if into is None else into.responses.add
+            make = response_maker(into)
             return [make(request_id=r.request_id, pipeline=self.name) for r in requests]
         finally:
             self.in_flight -= 1
