@@ -167,3 +167,18 @@ def test_loadgen_channels_are_separate_connections() -> None:
             server.close()
 
     assert asyncio.run(connections(3)) == 3
+
+
+def test_the_load_generator_pauses_its_own_collector_for_the_window_only() -> None:
+    """A full collection in the client (23-34 ms measured) would count as the server's latency."""
+    import gc
+
+    from bench.loadgen import collector_paused
+
+    assert gc.isenabled()
+    before = gc.get_freeze_count()
+    with collector_paused():
+        assert not gc.isenabled()
+        assert gc.get_freeze_count() > before  # what existed is out of the collector's scans
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
