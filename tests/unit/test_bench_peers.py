@@ -1,8 +1,10 @@
 """The peer benchmark's own pieces: the peers' numpy decision equals riskserve's encoder and the floor's
-rules, the V2 messages round-trip, and the load generator counts a wrong answer as wrong."""
+rules, the V2 messages round-trip, and the load generator counts a wrong answer as wrong and pauses its
+own garbage collector for the measured window only."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from bench.loadgen import Tally, read_expected
+from bench.loadgen import Tally, collector_paused, read_expected
 from bench.peers.decision import BadRequest, DecisionSpec, decision_spec
 from bench.peers.v2 import decision_request, outputs, pb, positive_class
 from riskserve.demo.dataset import generate_transactions
@@ -171,10 +173,6 @@ def test_loadgen_channels_are_separate_connections() -> None:
 
 def test_the_load_generator_pauses_its_own_collector_for_the_window_only() -> None:
     """A full collection in the client (23-34 ms measured) would count as the server's latency."""
-    import gc
-
-    from bench.loadgen import collector_paused
-
     assert gc.isenabled()
     before = gc.get_freeze_count()
     with collector_paused():
