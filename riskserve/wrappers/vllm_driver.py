@@ -20,9 +20,15 @@ from typing import Any
 
 from riskserve.platform.errors import ModelUnavailable
 
-__all__ = ["EngineDriver"]
+__all__ = ["ENGINE_LOCK", "EngineDriver"]
 
 _STOP_WAIT_S = 30.0
+
+ENGINE_LOCK = threading.RLock()
+"""Held for every forward pass of any engine in this process: vLLM keeps the pass's context (and, while an
+engine starts, its config) in process-wide variables, so a second engine of the same process (a swap's
+candidate starting while the serving one steps) must never run at the same time: when they did, the
+candidate's start failed ("Forward context is not set")."""
 
 
 @dataclass(eq=False)
@@ -99,7 +105,9 @@ class EngineDriver:
                     self._take(self._inbox.get())
                 self._take_queued()  # busy: everything queued joins the next step
                 if self._live and not self._stopping:
-                    self._finish(self.engine.step())
+                    with ENGINE_LOCK:
+                        outputs = self.engine.step()
+                    self._finish(outputs)
         except BaseException as error:  # the engine died: every caller must hear of it
             self._failure = error
         finally:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import importlib.util
 import os
 import sys
@@ -50,7 +51,7 @@ from riskserve.platform.errors import (
 )
 from riskserve.platform.extras import require
 from riskserve.platform.validation import check_texts
-from riskserve.wrappers.vllm_driver import EngineDriver
+from riskserve.wrappers.vllm_driver import ENGINE_LOCK, EngineDriver
 
 __all__ = ["VLLMModel", "VLLMSettings"]
 
@@ -332,7 +333,7 @@ class VLLMModel(BaseModel[Sequence[str], VLLMSettings]):
             seed=settings.seed,
             disable_log_stats=True,
         )
-        with _ENGINE_ENV_LOCK:
+        with _ENGINE_ENV_LOCK, ENGINE_LOCK:  # the serving engine of a swap pauses while this one starts
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_space_gib)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.omp_threads_bind
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if settings.engine_process else "0"
@@ -367,9 +368,33 @@ async def _shutdown(engine: _Engine) -> None:
 
     def stop() -> None:
         engine.driver.stop()
-        engine.driver.engine.engine_core.shutdown()
+        client = engine.driver.engine.engine_core
+        core = getattr(client, "engine_core", None)  # vLLM's in-process client holds the core itself
+        finalizer = getattr(client, "_finalizer", None)  # ... and shuts it down in full when collected
+        if core is None or finalizer is None:
+            client.shutdown()  # the core's own process: it ends there
+        elif finalizer.detach() is not None:
+            _shutdown_in_process(core)
 
     await asyncio.to_thread(stop)
+
+
+def _shutdown_in_process(core: Any) -> None:
+    """What vLLM's ``EngineCore.shutdown`` does, except ``cleanup_dist_env_and_memory``: that tears down
+    the process-wide distributed state every engine in the process runs on, so after a swap (the new
+    engine starts before the old one stops) the new engine's next step failed ("pipeline model parallel
+    group is not initialized"). The state stays for the process's lifetime; the next engine reuses it."""
+    with ENGINE_LOCK:  # it clears process-wide caches too
+        core.structured_output_manager.clear_backend()
+        if core.model_executor:
+            core.model_executor.shutdown()
+        if core.scheduler:
+            core.scheduler.shutdown()
+    # vLLM froze the heap at start-up (as Serve does after a replica's __init__): let the old engine's
+    # cycles be collected, then freeze what lives on, as it was
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def _refuse_unlisted_files(artifact: Artifact) -> None:

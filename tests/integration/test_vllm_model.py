@@ -126,6 +126,36 @@ def test_concurrent_batches_match_sequential(served: Served) -> None:
     assert served.model.details()["engine_started_at"] == started_at  # the same engine served all of it
 
 
+def test_a_second_engine_starts_while_the_first_serves_and_stops_without_breaking_it(served: Served) -> None:
+    """A swap's shape in one process: the candidate's engine starts while the serving one steps, and the
+    one that retires stops while the other serves. Both once broke the engine that stayed (vLLM keeps its
+    forward context and parallel groups process-wide): the candidate's start failed "Forward context is
+    not set", and after a stop the other engine failed "pipeline model parallel group is not initialized"."""
+    texts, _ = intent_texts(16, _HELDOUT_SEED + 3)
+    expected = served.run(served.predict(texts))
+    second = VLLMModel(VLLMSettings(name="intent", artifact=served.report.path, max_text_chars=1000))
+
+    async def serve_while_the_second_starts() -> list[Any]:
+        answers: list[Any] = []
+        starting = asyncio.ensure_future(second.load())
+        while not starting.done():
+            answers.append(await served.predict(texts[:4]))
+        await starting
+        return answers
+
+    meanwhile = served.run(serve_while_the_second_starts())
+    assert meanwhile, "the first engine answered while the second started"
+    for answer in meanwhile:
+        assert answer.labels == expected.labels[:4]
+    both = served.run(second.predict(texts))
+    assert both.labels == expected.labels  # the same artifact: the same answers
+    np.testing.assert_allclose(both.scores, expected.scores, rtol=0, atol=1e-5)
+    served.run(second.unload())
+    after = served.run(served.predict(texts))
+    assert after.labels == expected.labels
+    np.testing.assert_allclose(after.scores, expected.scores, rtol=0, atol=1e-5)
+
+
 def test_the_engine_runs_in_this_process_and_a_cancelled_call_leaves_nothing_in_it(served: Served) -> None:
     children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == os.getpid()]
     # No vLLM engine-core process of ours ("VLLM::EngineCore", cut to 15 characters in comm).
