@@ -11,6 +11,8 @@ Systems (``--systems``, in this order):
     its audit records keep the encoded rows the feedback log joins labels to);
   * ``card_fraud``: the same with the vLLM intent model (requests carry text; the engine takes minutes to
     start on CPU, up to 10 are allowed);
+  * ``card_fraud_inline``: ``card_fraud`` with the intent LLM placed in the ingress (``placement: ingress``):
+    its engine runs in each ingress replica, so a decision crosses no lane and wakes no second process;
   * ``card_fraud_batched``: ``card_fraud`` with adaptive batching on the intent model
     (``batching: {max_batch_size: 8, max_wait_ms: 2}``);
   * ``vllm_bare``: vLLM's own ``generate`` for the same intent prompts in one process, no gRPC: what
@@ -23,9 +25,9 @@ every server process over exactly that window, from ``/proc``, and resident memo
 of 1000 rows at a time, then open loop at fixed offered rates (latency from the intended send time), from
 low to high so that overload comes last. Ratios to the floor are printed for each system, and for
 card_fraud its p50 minus vLLM's bare p50 (what the platform adds around the LLM). Because the engine's
-own speed moves between runs by more than that, ``card_fraud`` also runs rounds paired with a bare
-engine kept up beside it (:func:`paired_card_fraud`): bare, then riskserve, alternated; the median of
-the rounds' differences is the figure for issue 10's target.
+own speed moves between runs by more than that, ``card_fraud`` and ``card_fraud_inline`` also run rounds
+paired with a bare engine kept up beside them (:func:`paired_card_fraud`): bare, then riskserve,
+alternated; the median of the rounds' differences is the figure for issue 10's target.
 
 riskserve runs with ``RISKSERVE_STATE_DIR`` in a temporary directory (a user's running instance is never
 touched) and from a temporary copy of the pipeline YAML whose artifacts point at ``--models`` and whose
@@ -66,13 +68,15 @@ BENCH = ROOT / "bench"
 PIPELINES = ROOT / "deploy" / "pipelines"
 SYSTEMS = (
     "floor", "tabular_plain", "tabular_only", "tabular_audit", "tabular_learning", "card_fraud",
-    "card_fraud_batched", "vllm_bare",
+    "card_fraud_inline", "card_fraud_batched", "vllm_bare",
 )  # fmt: skip
 GRPC_SYSTEMS = (
     "floor", "tabular_plain", "tabular_only", "tabular_audit", "tabular_learning", "card_fraud",
-    "card_fraud_batched",
+    "card_fraud_inline", "card_fraud_batched",
 )  # fmt: skip
-LLM_SYSTEMS = ("card_fraud", "card_fraud_batched")
+LLM_SYSTEMS = ("card_fraud", "card_fraud_batched", "card_fraud_inline")
+PAIRED_SYSTEMS = ("card_fraud", "card_fraud_inline")
+"""The LLM pipelines whose c=1 p50 is judged against the bare engine's, in rounds paired with it."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,10 @@ VARIANTS: dict[str, Variant] = {
     ),
     "card_fraud_batched": Variant(
         "card_fraud", {"intent": {"batching": {"max_batch_size": 8, "max_wait_ms": 2}}}
+    ),
+    # The intent LLM inside each ingress replica (its engine thread there): no lane, no second process.
+    "card_fraud_inline": Variant(
+        "card_fraud", {"intent": {"placement": "ingress", "pool": "cpu", "num_cpus": 0.5}}
     ),
 }
 FLEET_CONNECTIONS = 8
@@ -906,23 +914,25 @@ def print_report(results: dict[str, Any], table: dict[str, dict[str, float]], pl
                 f"{point['latency_ms']['p50']:>8.2f} / {point['latency_ms']['p99']:>8.2f}  "
                 f"{point['error_count']:>5}  {point['fallback_count']:>5}"
             )
-    card, bare = results.get("card_fraud"), results.get("vllm_bare")
-    if card and bare and "error" not in card and "error" not in bare:
-        added = card["c1"]["latency_ms"]["p50"] - bare["single"]["p50"]
-        print(
-            f"\ncard_fraud c=1 p50 {card['c1']['latency_ms']['p50']:.2f} ms - vLLM bare p50 "
-            f"{bare['single']['p50']:.2f} ms = {added:.2f} ms around the LLM (measured minutes apart)"
-        )
-    paired = (card or {}).get("paired")
-    if paired:
-        each = ", ".join(f"+{r['added_ms']:.2f}" for r in paired["rounds"])
-        print(
-            f"card_fraud paired with the bare engine, {len(paired['rounds'])} alternating rounds: "
-            f"median p50 {paired['card_fraud_p50_ms_median']:.2f} - {paired['bare_p50_ms_median']:.2f} ms, "
-            f"median of the rounds' differences {paired['added_ms_median']:.2f} ms ({each}); against the "
-            f"bare engine paced ({paired['paced_gap_ms']:g} ms idle before each prompt, p50 "
-            f"{paired['bare_paced_p50_ms_median']:.2f} ms): {paired['added_vs_paced_ms_median']:.2f} ms"
-        )
+    bare = results.get("vllm_bare")
+    for name in PAIRED_SYSTEMS:
+        card = results.get(name)
+        if card and bare and "error" not in card and "error" not in bare:
+            added = card["c1"]["latency_ms"]["p50"] - bare["single"]["p50"]
+            print(
+                f"\n{name} c=1 p50 {card['c1']['latency_ms']['p50']:.2f} ms - vLLM bare p50 "
+                f"{bare['single']['p50']:.2f} ms = {added:.2f} ms around the LLM (measured minutes apart)"
+            )
+        paired = (card or {}).get("paired")
+        if paired:
+            each = ", ".join(f"+{r['added_ms']:.2f}" for r in paired["rounds"])
+            print(
+                f"{name} paired with the bare engine, {len(paired['rounds'])} alternating rounds: "
+                f"median p50 {paired['card_fraud_p50_ms_median']:.2f} - {paired['bare_p50_ms_median']:.2f} "
+                f"ms, median of the rounds' differences {paired['added_ms_median']:.2f} ms ({each}); against "
+                f"the bare engine paced ({paired['paced_gap_ms']:g} ms idle before each prompt, p50 "
+                f"{paired['bare_paced_p50_ms_median']:.2f} ms): {paired['added_vs_paced_ms_median']:.2f} ms"
+            )
 
 
 def _bars(axis: Any, names: Sequence[str], series: dict[str, list[float]], title: str, unit: str) -> None:
@@ -990,16 +1000,18 @@ def plot(out_dir: Path, results: dict[str, Any]) -> Path:
 # -- main ----------------------------------------------------------------------------------------------
 
 
-def measure_card_fraud(models: Path, plan: Plan, channels: int, run_dir: Path) -> dict[str, Any]:
+def measure_card_fraud(
+    models: Path, plan: Plan, channels: int, run_dir: Path, name: str = "card_fraud"
+) -> dict[str, Any]:
     """``card_fraud``'s rounds paired with the bare engine, then its phases. The bare engine starts
     first, so that its start-up is not in riskserve's window; the rounds come first, on a system as fresh
     as the c=1 phase's (after the same wait and warm-up), not after the batch and open-loop phases."""
-    log("card_fraud: starting vLLM's bare engine for the paired rounds")
+    log(f"{name}: starting vLLM's bare engine for the paired rounds")
     bare = BareEngine(models, plan, run_dir)
     try:
-        with running("card_fraud", models, run_dir) as system:
+        with running(name, models, run_dir) as system:
             waited = settle(system)
-            log(f"card_fraud: idle after {waited:.0f} s; warm-up, then {plan.paired_rounds} paired rounds")
+            log(f"{name}: idle after {waited:.0f} s; warm-up, then {plan.paired_rounds} paired rounds")
             warmup = ["-c8", f"--calls={plan.warmup}", "--seconds=60", "--warmup=0", f"--channels={channels}"]
             loadgen(system, "closed", warmup, bound_s=_bound(60.0, 0))
             paired = paired_card_fraud(system, bare, plan, channels)
@@ -1020,8 +1032,8 @@ def run_systems(
         try:
             if name == "vllm_bare":
                 results[name] = measure_vllm_bare(models, plan, run_dir)
-            elif name == "card_fraud" and plan.paired_rounds:
-                results[name] = measure_card_fraud(models, plan, channels, run_dir)
+            elif name in PAIRED_SYSTEMS and plan.paired_rounds:
+                results[name] = measure_card_fraud(models, plan, channels, run_dir, name)
             else:
                 with running(name, models, run_dir) as system:
                     results[name] = measure_grpc(system, plan, channels)
@@ -1086,14 +1098,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "load_average_at_start": load},
         "seconds": time.perf_counter() - started,
     }
-    card, bare = results.get("card_fraud", {}), results.get("vllm_bare", {})
-    if "c1" in card and "single" in bare:
-        document["card_fraud_p50_minus_vllm_bare_ms"] = (
-            card["c1"]["latency_ms"]["p50"] - bare["single"]["p50"]
-        )
-    if "paired" in card:
-        document["card_fraud_paired_added_ms_median"] = card["paired"]["added_ms_median"]
-        document["card_fraud_paired_added_vs_paced_ms_median"] = card["paired"]["added_vs_paced_ms_median"]
+    bare = results.get("vllm_bare", {})
+    for name in PAIRED_SYSTEMS:  # card_fraud_... keys, card_fraud_inline_... keys
+        card = results.get(name, {})
+        if "c1" in card and "single" in bare:
+            added = card["c1"]["latency_ms"]["p50"] - bare["single"]["p50"]
+            document[f"{name}_p50_minus_vllm_bare_ms"] = added
+        if "paired" in card:
+            document[f"{name}_paired_added_ms_median"] = card["paired"]["added_ms_median"]
+            document[f"{name}_paired_added_vs_paced_ms_median"] = card["paired"]["added_vs_paced_ms_median"]
     json_path = write_results(args.out, "hotpath", document)
     png = plot(args.out, results)
     print(f"\nresults: {json_path}\nplot:    {png}")

@@ -101,6 +101,7 @@ def _stage(
     *args: Any,
     num_cpus: float | None = None,
     env_vars: dict[str, str] | None = None,
+    health_check_timeout_s: float | None = None,
 ) -> Any:
     cpus = stage.num_cpus if num_cpus is None else num_cpus
     options = actor_options(spec, spec.stage_pool(stage), cpus)
@@ -114,7 +115,7 @@ def _stage(
         max_queued_requests=stage.max_queued_requests,
         ray_actor_options=options,
         health_check_period_s=stage.health_check_period_s,
-        health_check_timeout_s=stage.health_check_timeout_s,
+        health_check_timeout_s=health_check_timeout_s or stage.health_check_timeout_s,
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
     )
 
@@ -195,6 +196,7 @@ def build_application(
         data,
         num_cpus=ingress_cpus(spec),
         env_vars=SHARED_LOOP_ENV if shared_loop else None,
+        health_check_timeout_s=spec.ingress_health_check_timeout(),
     )
     ingress: Application = ingress_deployment.options(
         user_config={"draining": draining, "artifacts": in_ingress, "shadows": shadows or {}}

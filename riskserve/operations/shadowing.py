@@ -68,6 +68,11 @@ def _model(spec: PipelineSpec, model: str) -> None:
             f"'{model}' runs in a deployment of its own; only models placed in the ingress can be shadowed",
             field="model",
         )
+    if spec.models[model].reads_text:
+        raise InvalidInput(
+            f"'{model}' reads the request's text; shadows score the feature matrix (tabular models only)",
+            field="model",
+        )
 
 
 def shadow(spec: PipelineSpec, model: str, artifact: Path | str, sample: float) -> CandidateReport:
@@ -75,7 +80,8 @@ def shadow(spec: PipelineSpec, model: str, artifact: Path | str, sample: float) 
     connected). A shadow already beside the model is replaced.
 
     Raises:
-        NotFound: no such model. InvalidInput: not placed in the ingress, or ``sample`` not in (0, 1].
+        NotFound: no such model. InvalidInput: not placed in the ingress, a text model, or ``sample``
+            not in (0, 1].
         ModelLoadError: the candidate failed a check; nothing changed.
     """
     from riskserve.serving.shadow import ShadowSettings

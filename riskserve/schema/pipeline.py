@@ -55,6 +55,8 @@ def _queue_limit(value: int) -> int:
 
 QueueLimit = Annotated[int, AfterValidator(_queue_limit)]
 DEFAULT_HEALTH_CHECK_TIMEOUT_S = 3.0
+LLM_HEALTH_CHECK_TIMEOUT_S = 10.0
+"""A replica that runs an LLM's engine answers health checks between engine work on the same CPU."""
 """Serve's health check timeout for riskserve's replicas (Serve's own default is 30 s)."""
 
 
@@ -248,7 +250,9 @@ class ModelSpec(_Strict):
     placement: Placement | None = None
     """``ingress``: the model runs inside every ingress replica, a function call on the matrix the feature
     stage just built (no Serve hop); ``deployment``: its own Serve deployment with its own replicas, pool
-    and GPU share. Default: ``ingress`` for ``treelite`` and ``sklearn``, ``deployment`` for ``vllm``."""
+    and GPU share. Default: ``ingress`` for ``treelite`` and ``sklearn``, ``deployment`` for ``vllm``. An
+    LLM placed in the ingress runs an engine in every ingress replica (no lane round trip, no second
+    process to wake, but each replica carries the engine's memory and CPU, and Serve does not batch it)."""
     batching: BatchingSpec | None = None
     """Adaptive batching across concurrent decisions (models in their own deployment only)."""
 
@@ -276,7 +280,7 @@ class ModelSpec(_Strict):
         """The health check timeout, or its default for this kind of model."""
         if self.health_check_timeout_s is not None:
             return self.health_check_timeout_s
-        return 10.0 if self.reads_text else DEFAULT_HEALTH_CHECK_TIMEOUT_S
+        return LLM_HEALTH_CHECK_TIMEOUT_S if self.reads_text else DEFAULT_HEALTH_CHECK_TIMEOUT_S
 
     @functools.cached_property
     def reads_text(self) -> bool:
@@ -606,6 +610,16 @@ class PipelineSpec(_Strict):
         """The pool a pipeline stage runs on."""
         return stage.pool or next(iter(self.pools))
 
+    def ingress_health_check_timeout(self) -> float:
+        """The ingress's health check timeout: its own, raised to an LLM's default when an LLM runs in the
+        ingress and the YAML did not set one (its engine shares the replica's CPU and interpreter)."""
+        ingress = self.serving.ingress
+        if "health_check_timeout_s" in ingress.model_fields_set:
+            return ingress.health_check_timeout_s
+        if any(model.in_ingress and model.reads_text for model in self.models.values()):
+            return max(ingress.health_check_timeout_s, LLM_HEALTH_CHECK_TIMEOUT_S)
+        return ingress.health_check_timeout_s
+
     def resolved(self) -> dict[str, Any]:
         """The spec as plain data with absolute artifact paths, for passing to Serve deployments."""
         data = self.model_dump(mode="json")
@@ -674,8 +688,6 @@ def _reference_errors(spec: PipelineSpec) -> list[str]:
             errors.append(f"{where}.fallback.label: only text models have labels")
         if model.in_ingress:
             ingress_pool = spec.stage_pool(spec.serving.ingress)
-            if model.reads_text:
-                errors.append(f"{where}.placement: a text model (LLM) runs in its own deployment")
             if model.num_gpus > 0:
                 errors.append(f"{where}.num_gpus: a model placed in the ingress takes no GPU share")
             if model.replicas != 1:

@@ -61,17 +61,20 @@ class ModelEndpoint(Protocol):
 class LocalEndpoint:
     """A model inside the ingress: a function call on the stage's matrix, no copy, no hop."""
 
-    def __init__(self, runner: ModelRunner, inline_rows: int) -> None:
+    def __init__(self, runner: ModelRunner, inline_rows: int, reads_text: bool = False) -> None:
         self.runner = runner
         self._inline_rows = inline_rows
+        self._reads_text = reads_text
 
     def runs_now(self, rows: int) -> bool:
-        return rows <= self._inline_rows
+        return not self._reads_text and rows <= self._inline_rows
 
     def predict_now(self, stage: StageResult) -> ModelAnswer:
         return self.runner.predict_matrix_now(_matrix(stage))
 
     async def predict(self, stage: StageResult, trace: dict[str, str]) -> ModelAnswer:
+        if self._reads_text:
+            return await self.runner.predict_texts([text for text in stage.texts if text.strip()])
         return await self.runner.predict_matrix(_matrix(stage))
 
     def cancel(self) -> None:

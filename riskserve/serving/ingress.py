@@ -77,12 +77,13 @@ class PipelineIngress:
         for name, model in self._spec.models.items():
             if model.in_ingress:
                 settings = self._spec.runner_settings(name)
+                text = model.reads_text
                 runner = ModelRunner(
-                    name, model.kind, settings, columns, self._spec.model_columns(name), backends=backend,
-                    placement="ingress",
+                    name, model.kind, settings, None if text else columns,
+                    None if text else self._spec.model_columns(name), backends=backend, placement="ingress",
                 )  # fmt: skip
                 self._runners[name] = runner
-                endpoint: Any = LocalEndpoint(runner, serving.inline_rows)
+                endpoint: Any = LocalEndpoint(runner, serving.inline_rows, text)
             else:
                 handle = models[name]
                 lanes = Lanes(handle.app_name, handle.deployment_name) if serving.model_lanes else None

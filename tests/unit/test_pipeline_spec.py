@@ -278,3 +278,47 @@ def test_a_fallback_that_asks_for_review_forces_it() -> None:
     )
     assert decision.outcome == "REVIEW"
     assert "fraud: model unavailable (TIMEOUT), decided without it" in decision.reasons
+
+
+def _llm_in_the_ingress(data: dict[str, Any]) -> dict[str, Any]:
+    """card_fraud with its intent LLM placed in the ingress, on the ingress's pool."""
+    data = copy.deepcopy(data)
+    data["models"]["intent"].update(placement="ingress", pool="cpu", num_cpus=0.5)
+    return data
+
+
+def test_an_llm_may_run_in_the_ingress_and_the_ingress_then_gets_an_llms_health_timeout(
+    card_fraud_yaml: dict[str, Any],
+) -> None:
+    shipped = parse_pipeline(card_fraud_yaml, base_dir=PIPELINES)
+    assert not shipped.models["intent"].in_ingress  # an LLM's default placement
+    assert shipped.ingress_health_check_timeout() == 3.0
+    spec = parse_pipeline(_llm_in_the_ingress(card_fraud_yaml), base_dir=PIPELINES)
+    intent = spec.models["intent"]
+    assert intent.in_ingress
+    assert intent.reads_text
+    assert spec.ingress_health_check_timeout() == 10.0
+    data = _llm_in_the_ingress(card_fraud_yaml)
+    data.setdefault("serving", {}).setdefault("ingress", {})["health_check_timeout_s"] = 4.0
+    assert parse_pipeline(data, base_dir=PIPELINES).ingress_health_check_timeout() == 4.0  # the YAML's
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        ({"pool": "llm"}, "models.intent.pool: a model placed in the ingress runs on the ingress's pool"),
+        ({"num_gpus": 0.5}, "models.intent.num_gpus: a model placed in the ingress takes no GPU share"),
+        (
+            {"batching": {"max_batch_size": 8, "max_wait_ms": 2}},
+            "models.intent.batching: only models in their own deployment batch across calls",
+        ),
+        ({"replicas": 2}, "models.intent.replicas: a model in the ingress runs in every ingress replica"),
+    ],
+    ids=["pool", "gpu", "batching", "replicas"],
+)
+def test_an_llm_in_the_ingress_is_held_to_the_ingress_rules(
+    card_fraud_yaml: dict[str, Any], edit: dict[str, Any], expected: str
+) -> None:
+    data = _llm_in_the_ingress(card_fraud_yaml)
+    data["models"]["intent"].update(edit)
+    assert expected in _errors(data)

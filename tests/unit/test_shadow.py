@@ -212,3 +212,20 @@ def test_the_operator_commands_import_no_ray_before_they_connect() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == "False"
+
+
+def test_a_text_model_is_refused_as_a_shadow_target_even_in_the_ingress() -> None:
+    """Shadows score the feature matrix: an LLM placed in the ingress is refused, naming the field, before
+    any candidate is read or Ray is asked."""
+    import yaml
+
+    from riskserve.operations.shadowing import shadow
+    from riskserve.platform.errors import InvalidInput
+
+    pipelines = Path(__file__).resolve().parents[2] / "deploy" / "pipelines"
+    data = yaml.safe_load((pipelines / "card_fraud.yaml").read_text())
+    data["models"]["intent"].update(placement="ingress", pool="cpu", num_cpus=0.5)
+    spec = parse_pipeline(data, base_dir=pipelines)
+    with pytest.raises(InvalidInput, match="reads the request's text") as refused:
+        shadow(spec, "intent", "/nonexistent/candidate", 0.1)
+    assert refused.value.field == "model"

@@ -1,0 +1,172 @@
+"""The intent LLM placed in the ingress (``placement: ingress``), on real Ray Serve, real vLLM, real gRPC.
+
+The engine then runs in the process that serves the gRPC port: no deployment of its own, no lane, no
+second process. It keeps what a model in the ingress has: its version in every answer, the same rules and
+reasons, and a hot swap (and rollback) that reloads it in place, under load, losing no decision.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from riskserve.demo.build import build_demo_models
+from riskserve.operations.swap import rollback, swap
+from riskserve.platform.artifacts import open_artifact
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
+from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.schema.pipeline import PipelineSpec
+
+from ..learning_helpers import own_connection
+from .conftest import ServeCluster, deploy, endpoint, pipeline_on, serving_pid
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+NAME = "card_fraud_llm_in_ingress"
+RISKY = {
+    "numeric": {"amount": 2500.0, "account_age_days": 3.0, "txn_velocity_1h": 9.0, "hour": 3.0,
+                "country_mismatch": 1.0, "device_change": 1.0},
+    "categorical": {"merchant_category": "crypto", "channel": "online"},
+    "text": "urgent, send it now before the deadline",
+}  # fmt: skip
+NO_TEXT = {
+    "numeric": {"amount": 23.5, "account_age_days": 2400.0, "txn_velocity_1h": 0.0, "hour": 12.0},
+    "categorical": {"merchant_category": "grocery", "channel": "pos"},
+}
+
+
+@pytest.fixture(scope="module")
+def candidate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The intent LLM trained with another seed: another version to swap to."""
+    root = tmp_path_factory.mktemp("llm-candidates")
+    build_demo_models(root / "seed1", seed=1, only=["intent"], progress=False)
+    return root / "seed1" / "intent"
+
+
+@pytest.fixture(scope="module")
+def pipeline(
+    serve_cluster: ServeCluster,
+    demo_models: Path,
+    candidate: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[PipelineSpec]:
+    previous = os.environ.get("RISKSERVE_STATE_DIR")
+    os.environ["RISKSERVE_STATE_DIR"] = str(tmp_path_factory.mktemp("llm-swap-state"))  # the swap history
+    spec = pipeline_on("card_fraud.yaml", demo_models, name=NAME, models_root=str(candidate.parent.parent))
+    data = spec.resolved()
+    data["models"]["intent"].update(placement="ingress", pool="cpu", num_cpus=0.5)
+    from riskserve.schema.pipeline import parse_pipeline
+
+    spec = parse_pipeline(data, source=NAME)
+    assert spec.models["intent"].in_ingress
+    deploy(spec)
+    yield spec
+    if previous is None:
+        os.environ.pop("RISKSERVE_STATE_DIR")
+    else:
+        os.environ["RISKSERVE_STATE_DIR"] = previous
+
+
+def _decide(stub: Any, body: dict[str, Any], request_id: str = "") -> pb.DecideResponse:
+    response: pb.DecideResponse = stub.Decide(
+        pb.DecideRequest(request_id=request_id, **body), metadata=[("application", NAME)], timeout=30
+    )
+    return response
+
+
+def _intent_status(spec: PipelineSpec) -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle("ingress", app_name=spec.name).model_status.remote("intent").result()
+
+
+def test_the_llm_runs_in_the_process_serving_the_port_and_answers_with_its_version(
+    pipeline: PipelineSpec, demo_models: Path
+) -> None:
+    from ray import serve
+
+    assert set(serve.status().applications[NAME].deployments) == {"ingress", "feedback"}
+    status = _intent_status(pipeline)
+    assert (status.kind, status.placement, status.ready) == ("vllm", "ingress", True)
+    assert status.pid == serving_pid(pipeline), "the engine runs where the gRPC port is served"
+    version = open_artifact(demo_models / "intent", kind="vllm").version
+    assert status.version == version
+    with grpc.insecure_channel(endpoint(pipeline)) as chan:
+        stub = pb_grpc.RiskPipelineStub(chan)  # type: ignore[no-untyped-call]
+        risky = _decide(stub, RISKY)
+        intent = {m.model: m for m in risky.models}["intent"]
+        assert (intent.version, intent.label, intent.fallback) == (version, "urgent", False)
+        assert 0.5 < intent.score <= 1.0
+        assert risky.decision == pb.DECLINE
+        assert any(r.startswith("pressure_language:") for r in risky.reasons)
+        top = list(risky.top_reasons)
+        assert (top[0].field, top[0].model, top[0].value) == ("text", "intent", "urgent")
+        calls = _intent_status(pipeline).calls
+        plain = _decide(stub, NO_TEXT)  # no text: the LLM is not called, and says so with no version
+        intent = {m.model: m for m in plain.models}["intent"]
+        assert (intent.version, intent.score, intent.fallback) == ("", 0.0, False)
+        assert _intent_status(pipeline).calls == calls
+
+
+def test_a_swap_and_a_rollback_of_the_llm_in_the_ingress_under_load_lose_nothing_and_restart_nothing(
+    pipeline: PipelineSpec, demo_models: Path, candidate: Path
+) -> None:
+    old = open_artifact(demo_models / "intent", kind="vllm").version
+    new = open_artifact(candidate, kind="vllm").version
+    assert old != new
+    pid = serving_pid(pipeline)
+    started_at = _intent_status(pipeline).started_at
+    answers: list[tuple[float, str]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with own_connection(endpoint(pipeline)) as chan:
+            stub = pb_grpc.RiskPipelineStub(chan)  # type: ignore[no-untyped-call]
+            index = 0
+            while not stop.is_set():
+                index += 1
+                try:
+                    response = _decide(stub, RISKY, f"load-{index}")
+                except grpc.RpcError as error:
+                    errors.append(error)
+                    continue
+                intent = {m.model: m for m in response.models}["intent"]
+                if intent.fallback:
+                    errors.append(AssertionError(f"fallback {intent.fallback_reason}"))
+                answers.append((time.monotonic(), intent.version))
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        time.sleep(1.0)
+        swapped = swap(pipeline, "intent", candidate)
+        assert (swapped.old_version, swapped.new_version) == (old, new)
+        after_swap = time.monotonic()
+        time.sleep(1.0)
+        rolled = rollback(pipeline, "intent")
+        assert (rolled.old_version, rolled.new_version) == (new, old)
+        after_rollback = time.monotonic()
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert errors == []
+    versions = [version for _, version in answers]
+    assert set(versions) == {old, new}, "answers came from both versions, each named"
+    # one connection, one ingress replica: the versions follow the swaps, never back and forth
+    changes = [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
+    assert changes == [old, new, old]
+    assert all(v == new for t, v in answers if after_swap + 0.5 < t < after_swap + 1.0)
+    assert all(v == old for t, v in answers if t > after_rollback + 0.5)
+    assert serving_pid(pipeline) == pid, "nothing restarted"
+    status = _intent_status(pipeline)
+    assert (status.version, status.started_at) == (old, started_at)
