@@ -74,6 +74,8 @@ def candidates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for seed in (1, 2):
         build_demo_models(root / f"seed{seed}", seed=seed, only=["fraud"], progress=False)
         good[f"seed{seed}"] = root / f"seed{seed}" / "fraud"
+    build_demo_models(root / "seed1", seed=1, only=["intent"], progress=False)
+    good["intent_seed1"] = root / "seed1" / "intent"
     bad = {name: root / name for name in ("truncated", "checksum", "width", "constant")}
     for path in bad.values():
         shutil.copytree(good["seed1"], path)
@@ -376,3 +378,37 @@ def test_a_shadow_on_live_traffic_changes_no_answer_and_promotes_as_a_verified_s
     assert set(_fraud_on_every_replica(pipeline).values()) == {candidate}
     assert _config(pipeline) == {}
     swap(pipeline, "fraud", start.artifact)  # leave the module's pipeline as it was
+
+
+def test_a_swap_and_a_rollback_of_the_llm_in_its_deployment_reload_its_engine_in_place(
+    pipeline: PipelineSpec, candidates: dict[str, Path]
+) -> None:
+    """The intent LLM's replica loads the candidate's engine beside the serving one, flips, and stops the
+    old one: the same process, every answer from a working engine naming its version (a retired engine's
+    stop once broke the new one's every step)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("model-intent", app_name=pipeline.name)
+    before = handle.metadata.remote().result()
+    new = open_artifact(candidates["intent_seed1"], kind="vllm").version
+    assert before.version != new
+
+    def intents() -> list[tuple[str, bool]]:
+        with own_connection(endpoint(pipeline)) as channel:
+            stub = pb_grpc.RiskPipelineStub(channel)  # type: ignore[no-untyped-call]
+            metadata = (("application", pipeline.name),)
+            answers = [
+                stub.Decide(pb.DecideRequest(**REQUEST), metadata=metadata, timeout=20) for _ in range(5)
+            ]
+        return [(m.version, m.fallback) for r in answers for m in r.models if m.model == "intent"]
+
+    swapped = swap(pipeline, "intent", candidates["intent_seed1"])
+    assert (swapped.old_version, swapped.new_version) == (before.version, new)
+    assert intents() == [(new, False)] * 5
+    during = handle.metadata.remote().result()
+    assert (during.pid, during.actor_id) == (before.pid, before.actor_id), "the replica did not restart"
+    assert during.details["engine_started_at"] != before.details["engine_started_at"]
+    rolled = rollback(pipeline, "intent")
+    assert (rolled.old_version, rolled.new_version) == (new, before.version)
+    assert intents() == [(before.version, False)] * 5
+    assert handle.metadata.remote().result().pid == before.pid
