@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ from riskserve.wrappers.sklearn_model import LinearSnapshot, save_sklearn_artifa
 from tests import fault_injection
 
 from ..learning_helpers import own_connection, replica_statuses
+from ..load_helpers import versions_under_load
 from .conftest import ServeCluster, deploy, endpoint, pipeline_on
 
 
@@ -171,32 +171,12 @@ def test_swaps_under_load_lose_nothing_and_restart_nothing_else(
     versions = {name: open_artifact(candidates[name], kind="sklearn").version for name in ("seed1", "seed2")}
     before = _identities(pipeline)
     assert set(_fraud_on_every_replica(pipeline).values()) == {original}
-    responses: list[tuple[float, str]] = []
-    failures: list[BaseException] = []
-    stop = threading.Event()
-
-    def load() -> None:
-        with own_connection(endpoint(pipeline)) as channel:
-            stub = pb_grpc.RiskPipelineStub(channel)  # type: ignore[no-untyped-call]
-            metadata = (("application", pipeline.name),)
-            while not stop.is_set():
-                sent = time.monotonic()
-                try:
-                    response = stub.Decide(pb.DecideRequest(**REQUEST), metadata=metadata, timeout=20)
-                    fraud = next(m for m in response.models if m.model == "fraud")
-                    assert not fraud.fallback, fraud
-                    responses.append((sent, fraud.version))
-                except BaseException as error:  # every failure is a test failure, collected
-                    failures.append(error)
-                time.sleep(max(0.0, 1 / LOAD_PER_S - (time.monotonic() - sent)))
-
-    threads = [threading.Thread(target=load) for _ in range(LOAD_THREADS)]
-    load_started = time.monotonic()
-    for thread in threads:
-        thread.start()
     flips: list[tuple[float, str]] = []
     refusals: dict[str, str] = {}
-    try:
+    request = pb.DecideRequest(**REQUEST)
+    with versions_under_load(
+        endpoint(pipeline), pipeline.name, request, "fraud", threads=LOAD_THREADS, per_s=LOAD_PER_S
+    ) as load:
         time.sleep(3)
         for step in ("seed1", "truncated", "seed2", "checksum", "width", "constant", "rollback"):
             serving = flips[-1][1] if flips else original
@@ -220,15 +200,11 @@ def test_swaps_under_load_lose_nothing_and_restart_nothing_else(
                 f"every ingress replica flips: {on_replicas}"
             )
             time.sleep(4)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join()
-    rate = len(responses) / (time.monotonic() - load_started)
+    rate = load.rate()
+    responses, failures = sorted(load.answers), load.failures
 
     assert failures == []
     assert rate > 0.4 * LOAD_PER_S * LOAD_THREADS, f"{rate:.1f} decisions/s: serving stalled during swaps"
-    responses.sort()
     assert [v for _, v in flips] == [versions["seed1"], versions["seed2"], versions["seed1"]]
     assert {v for _, v in responses} <= {original, *versions.values()}
     for (returned, version), (next_start, _) in zip(flips, [*flips[1:], (float("inf"), "")], strict=True):

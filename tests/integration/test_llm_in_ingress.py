@@ -7,8 +7,6 @@ reasons, and a hot swap (and rollback) that reloads it in place, under load, los
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,24 +20,16 @@ from riskserve.operations.swap import rollback, swap
 from riskserve.platform.artifacts import open_artifact
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
-from riskserve.schema.pipeline import PipelineSpec
+from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 
-from ..learning_helpers import own_connection
+from ..load_helpers import versions_under_load
 from .conftest import ServeCluster, deploy, endpoint, pipeline_on, serving_pid
+from .test_pipeline_grpc import LEGIT, RISKY
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 NAME = "card_fraud_llm_in_ingress"
-RISKY = {
-    "numeric": {"amount": 2500.0, "account_age_days": 3.0, "txn_velocity_1h": 9.0, "hour": 3.0,
-                "country_mismatch": 1.0, "device_change": 1.0},
-    "categorical": {"merchant_category": "crypto", "channel": "online"},
-    "text": "urgent, send it now before the deadline",
-}  # fmt: skip
-NO_TEXT = {
-    "numeric": {"amount": 23.5, "account_age_days": 2400.0, "txn_velocity_1h": 0.0, "hour": 12.0},
-    "categorical": {"merchant_category": "grocery", "channel": "pos"},
-}
+NO_TEXT = {k: v for k, v in LEGIT.items() if k != "text"}
 
 
 @pytest.fixture(scope="module")
@@ -57,21 +47,16 @@ def pipeline(
     candidate: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[PipelineSpec]:
-    previous = os.environ.get("RISKSERVE_STATE_DIR")
-    os.environ["RISKSERVE_STATE_DIR"] = str(tmp_path_factory.mktemp("llm-swap-state"))  # the swap history
-    spec = pipeline_on("card_fraud.yaml", demo_models, name=NAME, models_root=str(candidate.parent.parent))
-    data = spec.resolved()
-    data["models"]["intent"].update(placement="ingress", pool="cpu", num_cpus=0.5)
-    from riskserve.schema.pipeline import parse_pipeline
-
-    spec = parse_pipeline(data, source=NAME)
-    assert spec.models["intent"].in_ingress
-    deploy(spec)
-    yield spec
-    if previous is None:
-        os.environ.pop("RISKSERVE_STATE_DIR")
-    else:
-        os.environ["RISKSERVE_STATE_DIR"] = previous
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RISKSERVE_STATE_DIR", str(tmp_path_factory.mktemp("llm-swap-state")))  # swap history
+        root = str(candidate.parent.parent)  # swap takes candidates from there only
+        spec = pipeline_on("card_fraud.yaml", demo_models, name=NAME, models_root=root)
+        data = spec.resolved()
+        data["models"]["intent"].update(placement="ingress", pool="cpu", num_cpus=0.5)
+        spec = parse_pipeline(data, source=NAME)
+        assert spec.models["intent"].in_ingress
+        deploy(spec)
+        yield spec
 
 
 def _decide(stub: Any, body: dict[str, Any], request_id: str = "") -> pb.DecideResponse:
@@ -123,30 +108,8 @@ def test_a_swap_and_a_rollback_of_the_llm_in_the_ingress_under_load_lose_nothing
     assert old != new
     pid = serving_pid(pipeline)
     started_at = _intent_status(pipeline).started_at
-    answers: list[tuple[float, str]] = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def load() -> None:
-        with own_connection(endpoint(pipeline)) as chan:
-            stub = pb_grpc.RiskPipelineStub(chan)  # type: ignore[no-untyped-call]
-            index = 0
-            while not stop.is_set():
-                index += 1
-                try:
-                    response = _decide(stub, RISKY, f"load-{index}")
-                except grpc.RpcError as error:
-                    errors.append(error)
-                    continue
-                intent = {m.model: m for m in response.models}["intent"]
-                if intent.fallback:
-                    errors.append(AssertionError(f"fallback {intent.fallback_reason}"))
-                answers.append((time.monotonic(), intent.version))
-                time.sleep(0.05)
-
-    thread = threading.Thread(target=load)
-    thread.start()
-    try:
+    request = pb.DecideRequest(**RISKY)
+    with versions_under_load(endpoint(pipeline), NAME, request, "intent", per_s=20, retry_shed=True) as load:
         time.sleep(1.0)
         swapped = swap(pipeline, "intent", candidate)
         assert (swapped.old_version, swapped.new_version) == (old, new)
@@ -156,10 +119,11 @@ def test_a_swap_and_a_rollback_of_the_llm_in_the_ingress_under_load_lose_nothing
         assert (rolled.old_version, rolled.new_version) == (new, old)
         after_rollback = time.monotonic()
         time.sleep(1.0)
-    finally:
-        stop.set()
-        thread.join(timeout=60)
-    assert errors == []
+    answers = sorted(load.answers)
+    assert load.failures == []
+    # Retiring an engine frees its KV cache (1 GiB) with the interpreter held, ~0.5 s: the front door
+    # sheds what arrives meanwhile (max_loop_lag_ms), and the caller's retry is answered
+    assert load.shed <= 0.25 * len(answers), f"{load.shed} calls shed against {len(answers)} answered"
     versions = [version for _, version in answers]
     assert set(versions) == {old, new}, "answers came from both versions, each named"
     # one connection, one ingress replica: the versions follow the swaps, never back and forth
