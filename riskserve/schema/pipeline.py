@@ -55,9 +55,9 @@ def _queue_limit(value: int) -> int:
 
 QueueLimit = Annotated[int, AfterValidator(_queue_limit)]
 DEFAULT_HEALTH_CHECK_TIMEOUT_S = 3.0
+"""Serve's health check timeout for riskserve's replicas (Serve's own default is 30 s)."""
 LLM_HEALTH_CHECK_TIMEOUT_S = 10.0
 """A replica that runs an LLM's engine answers health checks between engine work on the same CPU."""
-"""Serve's health check timeout for riskserve's replicas (Serve's own default is 30 s)."""
 
 
 class PoolSpec(_Strict):

@@ -59,7 +59,8 @@ class ModelEndpoint(Protocol):
 
 
 class LocalEndpoint:
-    """A model inside the ingress: a function call on the stage's matrix, no copy, no hop."""
+    """A model inside the ingress: a function call on the stage's matrix, no copy, no hop (an LLM placed
+    there, ``reads_text``, gets the decision's texts and is always awaited: its engine has a thread)."""
 
     def __init__(self, runner: ModelRunner, inline_rows: int, reads_text: bool = False) -> None:
         self.runner = runner
