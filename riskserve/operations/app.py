@@ -148,7 +148,6 @@ def build_application(
         features_args = (data["features"], data["tracing"], spec.serving.matrix_retain_s)
         stage_spec = spec.serving.features
         features = _stage(FeatureStage, names[FEATURES], spec, stage_spec, features_args).bind(*features_args)
-    matrix_columns = spec.features.column_names()
     models = {}
     for name, model in spec.models.items():
         if model.in_ingress:
@@ -170,8 +169,7 @@ def build_application(
             graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         )
         artifact = artifacts.get(name) or data["models"][name]["artifact"]
-        columns = None if model.reads_text else matrix_columns
-        declared = None if model.reads_text else spec.model_columns(name)
+        columns, declared = spec.runner_columns(name)
         args = (name, model.kind, spec.runner_settings(name), columns, declared, data["tracing"], batching)
         lane = {"lane": {"ongoing": max_ongoing, "queued": model.max_queued_requests}}
         lane = lane if spec.serving.model_lanes else {}

@@ -601,6 +601,13 @@ class PipelineSpec(_Strict):
         columns = self.models[model].columns
         return self.features.column_names() if columns == "all" else list(columns)
 
+    def runner_columns(self, model: str) -> tuple[list[str] | None, list[str] | None]:
+        """What a model's runner is given, wherever it runs: the shared matrix's columns and those the
+        model reads (both ``None`` for a text model, which is fed the request's text)."""
+        if self.models[model].reads_text:
+            return None, None
+        return self.features.column_names(), self.model_columns(model)
+
     @staticmethod
     def pool_resource(pool: str) -> str:
         """Ray custom resource that stands for a pool's capacity."""

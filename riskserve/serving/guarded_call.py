@@ -75,11 +75,16 @@ class LocalEndpoint:
 
     async def predict(self, stage: StageResult, trace: dict[str, str]) -> ModelAnswer:
         if self._reads_text:
-            return await self.runner.predict_texts([text for text in stage.texts if text.strip()])
+            return await self.runner.predict_texts(_texts(stage))
         return await self.runner.predict_matrix(_matrix(stage))
 
     def cancel(self) -> None:
         """A worker thread cannot be stopped; its result is dropped (it runs microseconds a row)."""
+
+
+def _texts(stage: StageResult) -> list[str]:
+    """The batch's texts a text model labels: the rows without one get no call (see ``_results``)."""
+    return [text for text in stage.texts if text.strip()]
 
 
 def _matrix(stage: StageResult) -> Any:
@@ -149,7 +154,7 @@ class RemoteEndpoint:
     async def predict(self, stage: StageResult, trace: dict[str, str]) -> ModelAnswer:
         lanes = self.lanes
         if self._reads_text:
-            texts = [text for text in stage.texts if text.strip()]
+            texts = _texts(stage)
             if lanes is not None:
                 with contextlib.suppress(LaneDown):  # no lane took it: the handle does
                     return self._by_lane(await lanes.predict_texts(texts, trace))

@@ -67,7 +67,6 @@ class PipelineIngress:
         self.name = self._spec.name
         self.decision_timeout_ms = self._spec.serving.decision_timeout_ms
         serving = self._spec.serving
-        columns = self._spec.features.column_names()
         self._runners: dict[str, ModelRunner] = {}
         self._remote: dict[str, Any] = dict(models)
         self._lanes: dict[str, Lanes] = {}
@@ -77,13 +76,12 @@ class PipelineIngress:
         for name, model in self._spec.models.items():
             if model.in_ingress:
                 settings = self._spec.runner_settings(name)
-                text = model.reads_text
+                columns, declared = self._spec.runner_columns(name)
                 runner = ModelRunner(
-                    name, model.kind, settings, None if text else columns,
-                    None if text else self._spec.model_columns(name), backends=backend, placement="ingress",
-                )  # fmt: skip
+                    name, model.kind, settings, columns, declared, backends=backend, placement="ingress"
+                )
                 self._runners[name] = runner
-                endpoint: Any = LocalEndpoint(runner, serving.inline_rows, text)
+                endpoint: Any = LocalEndpoint(runner, serving.inline_rows, model.reads_text)
             else:
                 handle = models[name]
                 lanes = Lanes(handle.app_name, handle.deployment_name) if serving.model_lanes else None

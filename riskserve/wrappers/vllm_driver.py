@@ -25,10 +25,10 @@ __all__ = ["ENGINE_LOCK", "EngineDriver"]
 _STOP_WAIT_S = 30.0
 
 ENGINE_LOCK = threading.RLock()
-"""Held for every forward pass of any engine in this process: vLLM keeps the pass's context (and, while an
-engine starts, its config) in process-wide variables, so a second engine of the same process (a swap's
-candidate starting while the serving one steps) must never run at the same time: when they did, the
-candidate's start failed ("Forward context is not set")."""
+"""Held for every forward pass and every engine start in this process: vLLM keeps the pass's context (and,
+while an engine starts, its config and the environment it reads) in process-wide variables, so a second
+engine of the same process (a swap's candidate starting while the serving one steps) must never run at
+the same time: when they did, the candidate's start failed ("Forward context is not set")."""
 
 
 @dataclass(eq=False)

@@ -29,7 +29,6 @@ import dataclasses
 import importlib.util
 import os
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,8 +59,6 @@ _DEFAULT_LABEL_PREFIX = " "
 _PROBE_TEXT = "probe message"
 _OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 """Set (unless already set) before vLLM is imported: load from disk only, and report nothing anywhere."""
-_ENGINE_ENV_LOCK = threading.Lock()
-"""vLLM reads its settings from the process environment: one engine start at a time sets and reads it."""
 
 
 def _installed(module: str) -> bool:
@@ -332,7 +329,9 @@ class VLLMModel(BaseModel[Sequence[str], VLLMSettings]):
             seed=settings.seed,
             disable_log_stats=True,
         )
-        with _ENGINE_ENV_LOCK, ENGINE_LOCK:  # the serving engine of a swap pauses while this one starts
+        # vLLM reads these from the process environment: one engine start at a time sets and reads them
+        # (ENGINE_LOCK: the serving engine of a swap also pauses while this one starts)
+        with ENGINE_LOCK:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_space_gib)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.omp_threads_bind
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if settings.engine_process else "0"

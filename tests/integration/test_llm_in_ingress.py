@@ -24,7 +24,7 @@ from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 
 from ..load_helpers import versions_under_load
 from .conftest import ServeCluster, deploy, endpoint, pipeline_on, serving_pid
-from .test_pipeline_grpc import LEGIT, RISKY
+from .test_pipeline_grpc import LEGIT, RISKY, _status
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -66,19 +66,13 @@ def _decide(stub: Any, body: dict[str, Any], request_id: str = "") -> pb.DecideR
     return response
 
 
-def _intent_status(spec: PipelineSpec) -> Any:
-    from ray import serve
-
-    return serve.get_deployment_handle("ingress", app_name=spec.name).model_status.remote("intent").result()
-
-
 def test_the_llm_runs_in_the_process_serving_the_port_and_answers_with_its_version(
     pipeline: PipelineSpec, demo_models: Path
 ) -> None:
     from ray import serve
 
     assert set(serve.status().applications[NAME].deployments) == {"ingress", "feedback"}
-    status = _intent_status(pipeline)
+    status = _status(NAME, "intent")
     assert (status.kind, status.placement, status.ready) == ("vllm", "ingress", True)
     assert status.pid == serving_pid(pipeline), "the engine runs where the gRPC port is served"
     version = open_artifact(demo_models / "intent", kind="vllm").version
@@ -93,11 +87,11 @@ def test_the_llm_runs_in_the_process_serving_the_port_and_answers_with_its_versi
         assert any(r.startswith("pressure_language:") for r in risky.reasons)
         top = list(risky.top_reasons)
         assert (top[0].field, top[0].model, top[0].value) == ("text", "intent", "urgent")
-        calls = _intent_status(pipeline).calls
+        calls = _status(NAME, "intent").calls
         plain = _decide(stub, NO_TEXT)  # no text: the LLM is not called, and says so with no version
         intent = {m.model: m for m in plain.models}["intent"]
         assert (intent.version, intent.score, intent.fallback) == ("", 0.0, False)
-        assert _intent_status(pipeline).calls == calls
+        assert _status(NAME, "intent").calls == calls
 
 
 def test_a_swap_and_a_rollback_of_the_llm_in_the_ingress_under_load_lose_nothing_and_restart_nothing(
@@ -107,7 +101,7 @@ def test_a_swap_and_a_rollback_of_the_llm_in_the_ingress_under_load_lose_nothing
     new = open_artifact(candidate, kind="vllm").version
     assert old != new
     pid = serving_pid(pipeline)
-    started_at = _intent_status(pipeline).started_at
+    started_at = _status(NAME, "intent").started_at
     request = pb.DecideRequest(**RISKY)
     with versions_under_load(endpoint(pipeline), NAME, request, "intent", per_s=20, retry_shed=True) as load:
         time.sleep(1.0)
@@ -132,5 +126,5 @@ def test_a_swap_and_a_rollback_of_the_llm_in_the_ingress_under_load_lose_nothing
     assert all(v == new for t, v in answers if after_swap + 0.5 < t < after_swap + 1.0)
     assert all(v == old for t, v in answers if t > after_rollback + 0.5)
     assert serving_pid(pipeline) == pid, "nothing restarted"
-    status = _intent_status(pipeline)
+    status = _status(NAME, "intent")
     assert (status.version, status.started_at) == (old, started_at)
