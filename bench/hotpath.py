@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import write_local_pipeline, write_results
 from bench._procs import TreeSample, cpu_delta, descendants, rss_bytes, sample_tree
+from bench.vllm_bare import bare_env, bare_scorer
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -219,6 +220,27 @@ def start_floor(models: Path, run_dir: Path) -> Running:
     target = line.removeprefix("serving on ").strip()
     stop = terminator(process, wait_s=10.0)
     return Running("floor", "tabular_only", target, process.pid, False, stop, time.perf_counter() - started)
+
+
+def start_llm_floor(models: Path, run_dir: Path) -> Running:
+    """vLLM's bare engine behind a hand-written grpc.aio server (``bench/vllm_bare.py``), on a free port;
+    returns once it printed that it serves. Requests carry text; answers are checked by nobody."""
+    started = time.perf_counter()
+    log_path = run_dir / "vllm_bare_grpc.log"
+    command = [sys.executable, str(BENCH / "vllm_bare.py"), "--models", str(models), "--port", "0"]
+    with log_path.open("w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=bare_env())
+    line = _first_line(process, timeout_s=LLM_START_S)
+    while line and not line.startswith("serving on "):  # vLLM logs on stdout too
+        line = _first_line(process, timeout_s=LLM_START_S)
+    if not line.startswith("serving on "):
+        process.kill()
+        raise RuntimeError(f"the LLM's floor did not start ({line!r}); {log_path}:\n{_tail(log_path)}")
+    target = line.removeprefix("serving on ").strip()
+    stop = terminator(process, wait_s=30.0)
+    return Running(
+        "vllm_bare_grpc", "card_fraud", target, process.pid, True, stop, time.perf_counter() - started
+    )
 
 
 def terminator(process: subprocess.Popen[str], wait_s: float) -> Callable[[], None]:
@@ -505,30 +527,6 @@ def measure_grpc(system: Running, plan: Plan, channels: int) -> dict[str, Any]:
 # -- vLLM on its own -----------------------------------------------------------------------------------
 
 
-def _intent_model() -> tuple[float, dict[str, Any]]:
-    """``num_cpus`` and ``settings`` of card_fraud's intent model, as its YAML declares them."""
-    import yaml
-
-    intent = yaml.safe_load((PIPELINES / "card_fraud.yaml").read_text())["models"]["intent"]
-    return float(intent.get("num_cpus", 1.0)), dict(intent.get("settings", {}))
-
-
-def _bare_env() -> dict[str, str]:
-    """The bare engine's environment: in process, riskserve's KV cache, and the OpenMP threads Ray gives
-    riskserve's intent replica (``OMP_NUM_THREADS`` = the model's ``num_cpus``, at least 1)."""
-    num_cpus, _ = _intent_model()
-    return {
-        "OMP_NUM_THREADS": str(max(int(num_cpus), 1)),
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-    }
-
-
 def measure_vllm_bare(models: Path, plan: Plan, run_dir: Path) -> dict[str, Any]:
     """Run :func:`vllm_bare_child` in a subprocess (its own engine, environment and log).
 
@@ -538,7 +536,7 @@ def measure_vllm_bare(models: Path, plan: Plan, run_dir: Path) -> dict[str, Any]
     """
     result_path = run_dir / "vllm_bare.json"
     log_path = run_dir / "vllm_bare.log"
-    env = _bare_env()
+    env = bare_env()
     command = [sys.executable, __file__, "--child-vllm-bare", str(result_path), "--models", str(models)]
     command += ["--vllm-prompts", str(plan.vllm_prompts)]
     log(f"vllm_bare: starting the engine in a subprocess (OMP_NUM_THREADS={env['OMP_NUM_THREADS']})")
@@ -557,97 +555,12 @@ def measure_vllm_bare(models: Path, plan: Plan, run_dir: Path) -> dict[str, Any]
     return result
 
 
-@dataclass
-class _BareScorer:
-    """vLLM's engine on the intent model as riskserve configures it, and how to time it (child side)."""
-
-    score: Callable[[Sequence[str]], None]
-    texts: list[str]
-    startup_s: float
-    import_s: float
-
-    def timed(self, size: int, calls: int, offset: int = 0, gap_s: float = 0.0) -> list[float]:
-        """Seconds per call of ``size`` prompts each, ``calls`` times, from prompt ``offset`` on; with
-        ``gap_s``, the engine is left idle that long before each call (not counted)."""
-        samples = []
-        for i in range(calls):
-            start = (offset + i * size) % max(len(self.texts) - size, 1)
-            if gap_s:
-                time.sleep(gap_s)
-            t0 = time.perf_counter()
-            self.score(self.texts[start : start + size])
-            samples.append(time.perf_counter() - t0)
-        return samples
-
-
-def _bare_scorer(models: Path, prompts: int) -> _BareScorer:
-    """Start a vLLM engine on the intent model as riskserve configures it; ``score`` tokenizes and runs
-    ``generate`` of one greedy token with the label tokens' log-probabilities and the softmax over them."""
-    started = time.perf_counter()
-    import numpy as np
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from riskserve.demo.dataset import generate_transactions
-    from riskserve.platform.artifacts import open_artifact
-    from riskserve.wrappers.vllm_model import VLLMSettings
-
-    import_s = time.perf_counter() - started
-    artifact = open_artifact(models / "intent", kind="vllm")
-    root = str(artifact.root.resolve())
-    tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
-    template = artifact.manifest.info["prompt_template"]
-    prefix = artifact.manifest.info.get("label_prefix", " ")
-    label_ids = [
-        tokenizer(prefix + label, add_special_tokens=False)["input_ids"][0]
-        for label in artifact.manifest.labels
-    ]
-    # The engine arguments riskserve starts card_fraud's intent model with (settings defaults + YAML).
-    settings = VLLMSettings.model_validate({"name": "intent", "artifact": root, **_intent_model()[1]})
-    llm = LLM(
-        model=root,
-        tokenizer=root,
-        skip_tokenizer_init=True,
-        trust_remote_code=False,
-        load_format="safetensors",
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        enforce_eager=settings.enforce_eager,
-        seed=settings.seed,
-        disable_log_stats=True,
-    )
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=label_ids, detokenize=False)
-    startup_s = time.perf_counter() - started
-    texts = list(generate_transactions(max(prompts, 8) * 8, seed=2026).text)
-
-    distributions: list[Any] = []
-
-    def score(batch: Sequence[str]) -> None:
-        ids = tokenizer([template.replace("{text}", t) for t in batch])["input_ids"]
-        prompts = [TokensPrompt(prompt_token_ids=list(map(int, i))) for i in ids]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        for output in outputs:  # the label distribution, as riskserve computes it
-            step = output.outputs[0].logprobs[0]  # type: ignore[index]
-            values = np.array([step[t].logprob for t in label_ids], dtype=np.float64)
-            exp = np.exp(values - values.max())
-            distributions.append(exp / exp.sum())
-        distributions.clear()
-
-    scorer = _BareScorer(score, texts, startup_s, import_s)
-    scorer.timed(1, 5)  # warm-up: vLLM's first steps are slow
-    return scorer
-
-
 def vllm_bare_child(result_path: Path, models: Path, prompts: int) -> None:
     """In a fresh process: time the bare engine one prompt at a time and eight at once. Writes the result
     as JSON to ``result_path``."""
     from bench.loadgen import latency_ms
 
-    scorer = _bare_scorer(models, prompts)
+    scorer = bare_scorer(models, prompts)
     single = scorer.timed(1, prompts)
     eight = scorer.timed(8, max(prompts // 4, 3))
     result = {
@@ -671,7 +584,7 @@ def vllm_bare_rounds_child(models: Path, prompts: int) -> None:
     {json}`` line; end at ``quit`` or EOF."""
     from bench.loadgen import latency_ms
 
-    scorer = _bare_scorer(models, prompts)
+    scorer = bare_scorer(models, prompts)
     print(_ROUND_RESULT + json.dumps({"ready": True, "startup_s": scorer.startup_s}), flush=True)
     offset = 0
     for line in sys.stdin:
@@ -702,7 +615,7 @@ class BareEngine:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            env=_bare_env(),
+            env=bare_env(),
             text=True,
         )
         self.startup_s = float(self._answer(LLM_START_S)["startup_s"])
@@ -788,7 +701,9 @@ take around the LLM (a tabular decision's c=1 round trip is ~1.4 ms here, card_f
 intent replica ~2.3-2.8 ms)."""
 
 
-def paired_card_fraud(system: Running, bare: BareEngine, plan: Plan, channels: int) -> dict[str, Any]:
+def paired_card_fraud(
+    system: Running, bare: BareEngine, served: Running, plan: Plan, channels: int
+) -> dict[str, Any]:
     """``card_fraud`` at c=1 and vLLM's bare ``generate`` of the same prompts, alternated round by round.
 
     The two are measured minutes apart otherwise, and on these 2 shared cores the engine step alone
@@ -800,16 +715,26 @@ def paired_card_fraud(system: Running, bare: BareEngine, plan: Plan, channels: i
     The bare engine is also timed paced (:data:`PACED_GAP_MS` idle before each prompt), as any server's
     engine is at c=1 while the caller and the front door do their part: in a plain process, the same
     engine step takes 2.3 ms back to back and 3.1 ms after 5 ms idle (caches and the idle core go cold).
-    ``added_vs_paced_ms`` is riskserve's p50 minus that; the issue's target is on ``added_ms``.
+    ``added_vs_paced_ms`` is riskserve's p50 minus that.
+
+    And the same engine is timed behind a hand-written gRPC server (``served``, the LLM's floor:
+    ``bench/vllm_bare.py``) by the same client at c=1 as riskserve, in the same round (riskserve frozen
+    meanwhile, and the served floor frozen during riskserve's turn): every system of ``make bench`` is
+    measured over real gRPC from a separate client process, and this is the bare ``generate`` so measured.
+    ``added_vs_served_ms`` is riskserve's p50 minus its p50: what riskserve adds to a hand-written server
+    of the same call (features, both tabular models, rules, reasons, audit, and the platform).
     """
     rounds = []
     for index in range(plan.paired_rounds):
         with frozen(system):
             bare_round = bare.round(plan.vllm_prompts)
             paced_round = bare.round(plan.vllm_prompts, gap_ms=PACED_GAP_MS)
+            served_round = closed(served, 1, plan.c1_calls, plan, channels)
         time.sleep(1.0)  # Ray's timers that fell due while frozen run now, not in the window
-        riskserve_round = closed(system, 1, plan.c1_calls, plan, channels)
+        with frozen(served):
+            riskserve_round = closed(system, 1, plan.c1_calls, plan, channels)
         added = riskserve_round["latency_ms"]["p50"] - bare_round["single"]["p50"]
+        served_p50 = served_round["latency_ms"]["p50"]
         rounds.append(
             {
                 "bare_p50_ms": bare_round["single"]["p50"],
@@ -818,13 +743,17 @@ def paired_card_fraud(system: Running, bare: BareEngine, plan: Plan, channels: i
                 "added_ms": added,
                 "bare_paced_p50_ms": paced_round["single"]["p50"],
                 "added_vs_paced_ms": riskserve_round["latency_ms"]["p50"] - paced_round["single"]["p50"],
-                "errors": riskserve_round["error_count"],
+                "bare_served_p50_ms": served_p50,
+                "bare_served_p99_ms": served_round["latency_ms"]["p99"],
+                "added_vs_served_ms": riskserve_round["latency_ms"]["p50"] - served_p50,
+                "errors": riskserve_round["error_count"] + served_round["error_count"],
             }
         )
         log(
             f"{system.name}: paired round {index + 1}/{plan.paired_rounds}: bare p50 "
-            f"{bare_round['single']['p50']:.2f} ms (paced {paced_round['single']['p50']:.2f}), card_fraud "
-            f"c=1 p50 {riskserve_round['latency_ms']['p50']:.2f} ms, +{added:.2f} ms"
+            f"{bare_round['single']['p50']:.2f} ms (paced {paced_round['single']['p50']:.2f}, over gRPC "
+            f"{served_p50:.2f}), card_fraud c=1 p50 {riskserve_round['latency_ms']['p50']:.2f} ms, "
+            f"+{added:.2f} ms (+{rounds[-1]['added_vs_served_ms']:.2f} over gRPC)"
         )
     return {
         "rounds": rounds,
@@ -832,6 +761,8 @@ def paired_card_fraud(system: Running, bare: BareEngine, plan: Plan, channels: i
         "bare_p50_ms_median": statistics.median(r["bare_p50_ms"] for r in rounds),
         "bare_paced_p50_ms_median": statistics.median(r["bare_paced_p50_ms"] for r in rounds),
         "added_vs_paced_ms_median": statistics.median(r["added_vs_paced_ms"] for r in rounds),
+        "bare_served_p50_ms_median": statistics.median(r["bare_served_p50_ms"] for r in rounds),
+        "added_vs_served_ms_median": statistics.median(r["added_vs_served_ms"] for r in rounds),
         "paced_gap_ms": PACED_GAP_MS,
         "card_fraud_p50_ms_median": statistics.median(r["card_fraud_p50_ms"] for r in rounds),
         "bare_startup_s": bare.startup_s,
@@ -934,6 +865,12 @@ def print_report(results: dict[str, Any], table: dict[str, dict[str, float]], pl
                 f"the bare engine paced ({paired['paced_gap_ms']:g} ms idle before each prompt, p50 "
                 f"{paired['bare_paced_p50_ms_median']:.2f} ms): {paired['added_vs_paced_ms_median']:.2f} ms"
             )
+            served_each = ", ".join(f"+{r['added_vs_served_ms']:.2f}" for r in paired["rounds"])
+            print(
+                f"{name} against the same engine behind a hand-written gRPC server, same client, same rounds "
+                f"(p50 {paired['bare_served_p50_ms_median']:.2f} ms): median of the rounds' differences "
+                f"{paired['added_vs_served_ms_median']:.2f} ms ({served_each})"
+            )
 
 
 def _bars(axis: Any, names: Sequence[str], series: dict[str, list[float]], title: str, unit: str) -> None:
@@ -1007,18 +944,27 @@ def measure_card_fraud(
     """``card_fraud``'s rounds paired with the bare engine, then its phases. The bare engine starts
     first, so that its start-up is not in riskserve's window; the rounds come first, on a system as fresh
     as the c=1 phase's (after the same wait and warm-up), not after the batch and open-loop phases."""
-    log(f"{name}: starting vLLM's bare engine for the paired rounds")
+    log(f"{name}: starting vLLM's bare engine for the paired rounds, in a plain loop and behind gRPC")
     bare = BareEngine(models, plan, run_dir)
+    served: Running | None = None
     try:
+        served = start_llm_floor(models, run_dir)
+        log(f"{name}: the LLM's floor serves on {served.target} (up in {served.startup_s:.1f} s)")
+        warmup = ["-c8", f"--calls={plan.warmup}", "--seconds=60", "--warmup=0", f"--channels={channels}"]
+        loadgen(served, "closed", warmup, bound_s=_bound(60.0, 0))
         with running(name, models, run_dir) as system:
             waited = settle(system)
             log(f"{name}: idle after {waited:.0f} s; warm-up, then {plan.paired_rounds} paired rounds")
-            warmup = ["-c8", f"--calls={plan.warmup}", "--seconds=60", "--warmup=0", f"--channels={channels}"]
             loadgen(system, "closed", warmup, bound_s=_bound(60.0, 0))
-            paired = paired_card_fraud(system, bare, plan, channels)
+            paired = paired_card_fraud(system, bare, served, plan, channels)
+            served.stop()  # nothing of the floors runs beside riskserve's own phases
+            served = None
+            bare.close()
             result = measure_grpc(system, plan, channels)
             result["paired"] = paired
     finally:
+        if served is not None:
+            served.stop()
         bare.close()
     return result
 
@@ -1108,6 +1054,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "paired" in card:
             document[f"{name}_paired_added_ms_median"] = card["paired"]["added_ms_median"]
             document[f"{name}_paired_added_vs_paced_ms_median"] = card["paired"]["added_vs_paced_ms_median"]
+            document[f"{name}_paired_added_vs_served_ms_median"] = card["paired"]["added_vs_served_ms_median"]
     json_path = write_results(args.out, "hotpath", document)
     png = plot(args.out, results)
     print(f"\nresults: {json_path}\nplot:    {png}")

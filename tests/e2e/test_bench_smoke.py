@@ -182,3 +182,30 @@ def test_bare_engine_rounds_time_the_prompts_they_are_asked_for(demo_models: Pat
     assert second["single"]["p50"] < 20.0
     for answer in (first, second):
         assert 0 < answer["single"]["p50"] <= answer["single"]["max"]
+
+
+def test_the_llms_floor_serves_the_bare_engine_over_grpc(demo_models: Path, tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCH.parent))
+    from bench.hotpath import QUICK, closed, start_llm_floor
+    from riskserve.platform.artifacts import open_artifact
+
+    labels = open_artifact(demo_models / "intent", kind="vllm").manifest.labels
+    served = start_llm_floor(demo_models, tmp_path)
+    try:
+        with grpc.insecure_channel(served.target) as channel:
+            stub = pb_grpc.RiskPipelineStub(channel)  # type: ignore[no-untyped-call]
+            answer = stub.Decide(pb.DecideRequest(request_id="r1", text="please block my stolen card"))
+            assert answer.request_id == "r1"
+            (intent,) = answer.models
+            assert intent.model == "intent"
+            assert intent.label in labels
+            assert 1 / len(labels) <= intent.score <= 1.0  # the top label's probability
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Decide(pb.DecideRequest(request_id="r2"))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        window = closed(served, 1, 20, QUICK, 1)  # what the paired rounds run against it
+        assert window["decisions"] == 20
+        assert window["error_count"] == 0
+        assert window["server"]["cpu_s"] > 0
+    finally:
+        served.stop()
