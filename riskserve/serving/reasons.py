@@ -14,7 +14,6 @@ then the fields are ranked by it. The text model's reason, when there is one, co
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -125,34 +124,53 @@ class ReasonExplainer:
         A model that fell back for a row, or whose serving version changed since it scored the row (a
         swap in between), gives that row no reasons.
         """
-        per_model = {name: self.field_contributions(name, matrix) for name in self._tabular}
         top = self.settings.top
+        best, model_of, order = self._strongest(matrix, results)
         out: list[list[Reason]] = []
         for i, (row, answers) in enumerate(zip(rows, results, strict=True)):
             reasons = self._text_reasons(answers)
-            best: dict[str, tuple[float, str]] = {}
-            for name, (values, version) in per_model.items():
-                result = answers.get(name)
-                if result is None or result.fallback or result.version != version:
-                    continue
-                for j, value in enumerate(values[i].tolist()):
-                    field = self._fields[j]
-                    if value > self.settings.min_contribution and value > best.get(field, (-math.inf, ""))[0]:
-                        best[field] = (value, name)
-            ranked = sorted(best.items(), key=lambda item: -item[1][0])
-            for field, (value, name) in ranked[: max(top - len(reasons), 0)]:
+            for rank, j in enumerate(order[i][: max(top - len(reasons), 0)]):
+                value = best[i][rank]
+                if not value > self.settings.min_contribution:
+                    break  # strongest first: the rest are weaker still
+                field = self._fields[j]
                 reasons.append(
                     Reason(
                         field=field,
                         text=self.settings.texts.get(field, field),
                         contribution=value,
-                        model=name,
+                        model=model_of[i][rank],
                         value=_value(row, field),
                     )
                 )
             out.append(reasons[:top])
         self.rows_explained += len(out)
         return out
+
+    def _strongest(
+        self, matrix: FeatureMatrix, results: Sequence[Mapping[str, ModelResult]]
+    ) -> tuple[list[list[float]], list[list[str]], list[list[int]]]:  # (values, models, fields)
+        """Each row's field indexes strongest first (ties in field order) and, in that order, the field's
+        largest contribution from any model that scored the row with the version that computed it
+        (``-inf`` when none did) and that model's name. Whole-batch numpy: no Python loop over fields."""
+        names = list(self._tabular)
+        rows, fields = len(results), len(self._fields)
+        stacked = np.full((max(len(names), 1), rows, fields), -np.inf)
+        for k, name in enumerate(names):
+            values, version = self.field_contributions(name, matrix)
+            usable = np.fromiter(
+                (_scored_by(answers.get(name), version) for answers in results), dtype=bool, count=rows
+            )
+            stacked[k][usable] = values[usable]
+        best = stacked.max(axis=0)
+        order = np.argsort(-best, axis=1, kind="stable")
+        model_index = stacked.argmax(axis=0)  # the first model on a tie, as they are listed
+        model_names = np.array(names or [""], dtype=object)
+        return (
+            np.take_along_axis(best, order, axis=1).tolist(),
+            model_names[np.take_along_axis(model_index, order, axis=1)].tolist(),
+            order.tolist(),
+        )
 
     def _text_reasons(self, answers: Mapping[str, ModelResult]) -> list[Reason]:
         reasons = []
@@ -170,6 +188,12 @@ class ReasonExplainer:
                 )
             )
         return reasons
+
+
+def _scored_by(result: ModelResult | None, version: str) -> bool:
+    """Whether ``result`` is the model's own score, from the version whose contributions we hold (not a
+    fallback, not a version swapped out since)."""
+    return result is not None and not result.fallback and result.version == version
 
 
 def _value(row: ValidRow, field: str) -> str:

@@ -21,6 +21,7 @@ from riskserve.platform.runner import ModelRunner
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 from riskserve.serving.flow import DecisionFlow
+from riskserve.serving.messages import raw_request
 from riskserve.serving.reasons import ReasonExplainer, field_map
 from tests.flow_helpers import flow_of, serve_runners, tabular_document
 
@@ -223,3 +224,85 @@ def test_a_declined_row_is_explained_on_the_event_loop_and_a_large_batch_in_a_th
     assert pipeline.runners["credit"].contributions_us_per_row() < 1000.0  # the tables, not XGBoost
     assert pipeline.explainer.inline_for(1)
     assert not pipeline.explainer.inline_for(1000)
+
+
+def test_a_large_batchs_reasons_computed_in_a_thread_reach_the_rows_they_explain(
+    pipeline: Pipeline,
+) -> None:
+    crafted = pb.DecideRequest(**TYPICAL)  # type: ignore[arg-type]
+    for name, value in EXTREME.items():
+        crafted.numeric[name] = value
+    alone = _decide(pipeline, crafted)[0]  # one row: explained on the event loop
+    assert alone.decision == pb.DECLINE
+    # A batch too large to explain on the loop: every third row declined, the others approved.
+    requests = []
+    for i in range(600):
+        request = pb.DecideRequest()
+        request.CopyFrom(crafted if i % 3 == 0 else pb.DecideRequest(**TYPICAL))  # type: ignore[arg-type]
+        request.request_id = f"row-{i}"
+        requests.append(request)
+    assert not pipeline.explainer.inline_for(200)
+    into = pb.DecideBatchResponse()
+    before = pipeline.explainer.rows_explained
+    responses = asyncio.run(pipeline.flow.decide(requests, "trace", time.monotonic() + 30, False, into))
+    assert pipeline.explainer.rows_explained == before + 200
+    assert list(into.responses) == responses  # added to the batch's own messages, not to copies
+    for i, response in enumerate(into.responses):
+        assert response.request_id == f"row-{i}"
+        if i % 3 == 0:
+            assert response.decision == pb.DECLINE
+            assert list(response.top_reasons) == list(alone.top_reasons)
+        else:
+            assert response.decision == pb.APPROVE
+            assert list(response.top_reasons) == []
+
+
+def test_a_batchs_reasons_are_each_rows_strongest_usable_fields(pipeline: Pipeline) -> None:
+    """The whole-batch ranking against a row-by-row reference: per field the largest contribution of a
+    model that scored the row with the version that computed it, above the minimum, strongest first."""
+    from riskserve.demo.dataset import generate_transactions
+    from riskserve.schema.rules import ModelResult
+
+    data = generate_transactions(120, seed=11)
+    requests = []
+    for i in range(120):
+        row = data.row(i)
+        request = pb.DecideRequest(
+            numeric={k: float(row[k]) for k in TYPICAL["numeric"]},
+            categorical={k: str(row[k]) for k in TYPICAL["categorical"]},
+        )
+        request.numeric["txn_velocity_1h"] = float(i % 15)  # many rows declined or sent to review
+        requests.append(request)
+    decided = _decide(pipeline, *requests)  # scores each row (and its version) as served
+    explainer = pipeline.explainer
+    stage = pipeline.flow._local_stage.encode(  # type: ignore[union-attr]
+        [raw_request(r) for r in requests], None, share=False
+    )
+    results = []
+    for i, response in enumerate(decided):
+        scored = {m.model: ModelResult(m.model, m.version, m.score) for m in response.models}
+        if i % 4 == 1:  # fell back: its contributions must not count
+            scored["fraud"] = ModelResult("fraud", scored["fraud"].version, 0.5, fallback=True)
+        if i % 4 == 2:  # scored by a version swapped out since
+            scored["credit"] = ModelResult("credit", "retired", scored["credit"].score)
+        results.append(scored)
+    explained = explainer.explain(stage.matrix, stage.rows, results)
+
+    per_model = {name: explainer.field_contributions(name, stage.matrix) for name in ("credit", "fraud")}
+    settings = explainer.settings
+    fields = [f for f in pipeline.spec.features.fields if f != pipeline.spec.features.text_field]
+    assert any(len(reasons) == settings.top for reasons in explained)
+    for i, reasons in enumerate(explained):
+        best: dict[str, tuple[float, str]] = {}
+        for name, (values, version) in per_model.items():
+            result = results[i][name]
+            if result.fallback or result.version != version:
+                continue
+            for j, field in enumerate(fields):
+                value = float(values[i, j])
+                if value > settings.min_contribution and value > best.get(field, (-np.inf, ""))[0]:
+                    best[field] = (value, name)
+        expected = sorted(best.items(), key=lambda item: -item[1][0])[: settings.top]
+        assert [(r.field, r.contribution, r.model) for r in reasons] == [
+            (field, value, name) for field, (value, name) in expected
+        ]
