@@ -16,7 +16,9 @@ Systems (``--systems``, in this order):
   * ``card_fraud_batched``: ``card_fraud`` with adaptive batching on the intent model
     (``batching: {max_batch_size: 8, max_wait_ms: 2}``);
   * ``vllm_bare``: vLLM's own ``generate`` for the same intent prompts in one process, no gRPC: what
-    riskserve asks of the engine (one greedy token, log-probabilities of the label tokens), timed directly.
+    riskserve asks of the engine (one greedy token, log-probabilities of the label tokens), timed directly
+    (``bench/vllm_bare.py``, which also serves the same engine behind a hand-written gRPC server: the
+    LLM's floor of the paired rounds).
 
 Each gRPC system is started, warmed up, measured, and stopped before the next starts. The client is
 ``bench/loadgen.py`` in its own process (its CPU is not the server's), one channel shared by its tasks.
@@ -26,8 +28,9 @@ of 1000 rows at a time, then open loop at fixed offered rates (latency from the 
 low to high so that overload comes last. Ratios to the floor are printed for each system, and for
 card_fraud its p50 minus vLLM's bare p50 (what the platform adds around the LLM). Because the engine's
 own speed moves between runs by more than that, ``card_fraud`` and ``card_fraud_inline`` also run rounds
-paired with a bare engine kept up beside them (:func:`paired_card_fraud`): bare, then riskserve,
-alternated; the median of the rounds' differences is the figure for issue 10's target.
+paired with a bare engine kept up beside them (:func:`paired_card_fraud`): bare (in a plain loop, and
+behind gRPC with the same client), then riskserve, alternated; the medians of the rounds' differences are
+the figures for issue 10's target.
 
 riskserve runs with ``RISKSERVE_STATE_DIR`` in a temporary directory (a user's running instance is never
 touched) and from a temporary copy of the pipeline YAML whose artifacts point at ``--models`` and whose
