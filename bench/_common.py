@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import statistics
 import time
 from collections.abc import Callable
@@ -84,3 +86,15 @@ def write_local_pipeline(data: dict[str, Any], models: Path, run_dir: Path, stem
     path = run_dir / f"{stem}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+async def serve_until_signalled(server: Any, address: str) -> None:
+    """Say ``serving on ADDRESS`` (a started grpc.aio ``server``'s; what the harness waits for), then
+    serve until SIGTERM or SIGINT, and stop (calls in flight get a second to finish)."""
+    print(f"serving on {address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await server.stop(grace=1.0)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import sys
 import time
 import uuid
@@ -40,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import serve_until_signalled
 from riskserve.features.encoder import FeatureEncoder, RawRequest
 from riskserve.platform.errors import ModelLoadError, RiskServeError
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
@@ -195,13 +195,7 @@ async def serve(pipeline: Path, models: Path, host: str, port: int) -> None:
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     _check(floor)
-    print(f"serving on {host}:{bound}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    await server.stop(grace=1.0)
+    await serve_until_signalled(server, f"{host}:{bound}")
 
 
 def _check(floor: Floor) -> None:

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 import sys
 import time
 import uuid
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import serve_until_signalled
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINES = ROOT / "deploy" / "pipelines"
@@ -202,13 +203,7 @@ async def serve(models: Path, host: str, port: int) -> None:
     pb_grpc.add_RiskPipelineServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    print(f"serving on {host}:{bound}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    await server.stop(grace=1.0)
+    await serve_until_signalled(server, f"{host}:{bound}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
