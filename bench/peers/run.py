@@ -19,7 +19,8 @@ that answers wrong is reported and left out of the ratios. Phases, from ``bench/
 at concurrency 1 and 8 (CPU-seconds per decision of the whole process tree from ``/proc``, resident
 memory), batches of 64 and 1,000 rows (``DecideBatch``, or one V2 call of that many rows), then an
 open-loop sweep at rising offered rates (latency from the intended send time) that stops after the first
-rate whose p99 passes 50 ms or that errs: the highest rate held is the last one with p99 <= 50 ms.
+rate whose p99 passes 50 ms or that errs in two windows in a row (one window can fail on a stall of the
+machine; both windows are kept and reported): the highest rate held is the last one with p99 <= 50 ms.
 
 Workloads (``--workload``): ``tabular_only`` (the systems above), and ``card_fraud``, the full decision
 with the intent LLM: riskserve (``riskserve up card_fraud``) against plain Ray Serve (``ray_serve``:
@@ -221,11 +222,17 @@ def measure(
     for rows in sweep.batches:
         out["batches"][str(rows)] = batch(system, dataclasses.replace(plan, batch_rows=rows))
         log(f"{system.name}: batch of {rows} {_brief(out['batches'][str(rows)])}")
-    out["open"] = []
+    out["open"], out["open_first_tries"] = [], []
     for rate in sweep.rates:
         point = open_loop(system, rate, plan, connections)
-        out["open"].append(point)
         log(f"{system.name}: open loop {rate:g}/s {_brief(point)}")
+        if not _holds(point, max(bounds)) and not point["wrong"]:
+            # One window can fail on a stall of the machine (every system here has had one at a rate
+            # far below its capacity): a rate is given up on two windows in a row, for every system.
+            out["open_first_tries"].append(point)
+            point = open_loop(system, rate, plan, connections)
+            log(f"{system.name}: open loop {rate:g}/s, measured again {_brief(point)}")
+        out["open"].append(point)
         if not _holds(point, max(bounds)):
             break
     return out | summarize(out, bounds)
@@ -242,8 +249,16 @@ def _holds(point: dict[str, Any], bound_ms: float) -> bool:
 
 
 def summarize(out: dict[str, Any], bounds: tuple[float, ...] = (P99_LIMIT_MS,)) -> dict[str, Any]:
-    """The headline figures of one system's phases: the highest rate held under each p99 bound."""
-    phases = [*([out["c1"]] if "c1" in out else []), out["c8"], *out["batches"].values(), *out["open"]]
+    """The headline figures of one system's phases: the highest rate held under each p99 bound (a rate
+    measured twice counts by its second window; the first still counts in the totals of answers, errors
+    and fallbacks)."""
+    phases = [
+        *([out["c1"]] if "c1" in out else []),
+        out["c8"],
+        *out["batches"].values(),
+        *out["open"],
+        *out.get("open_first_tries", []),
+    ]
     held = {
         f"max_rate_p99_{bound:g}ms": max(
             (p["offered_rate"] for p in out["open"] if _holds(p, bound)), default=0.0
@@ -392,6 +407,12 @@ def print_report(
             for p in r.get("open", [])
         )
         print(f"  {name:<17} {points}")
+        for p in r.get("open_first_tries", []):
+            print(
+                f"  {'':<17} {p['offered_rate']:g}/s measured twice; the first window: "
+                f"{p['latency_ms']['p50']:.1f}/{p['latency_ms']['p99']:.1f}/{p['latency_ms']['p999']:.1f}, "
+                f"errors {p['error_count']}, fallbacks {p['fallback_count']}"
+            )
     if ratio:
         print(f"\nriskserve / row ({', '.join(f'{k}: {v}' for k, v in table.items())})")
         print(

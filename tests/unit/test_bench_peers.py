@@ -180,3 +180,88 @@ def test_the_load_generator_pauses_its_own_collector_for_the_window_only() -> No
         assert gc.get_freeze_count() > before  # what existed is out of the collector's scans
     assert gc.isenabled()
     assert gc.get_freeze_count() == 0
+
+
+def _window(rate: float, p99_ms: float, *, errors: int = 0, wrong: int = 0) -> dict[str, object]:
+    """One open-loop window as ``bench.hotpath.open_loop`` reports it."""
+    return {
+        "offered_rate": rate,
+        "latency_ms": {"p50": p99_ms / 3, "p99": p99_ms, "p999": p99_ms},
+        "error_count": errors,
+        "errors": {"RESOURCE_EXHAUSTED": errors} if errors else {},
+        "wrong": wrong,
+        "wrong_example": "",
+        "fallback_count": 0,
+        "fallbacks": {},
+        "decisions": int(rate * 5),
+        "decisions_per_s": rate,
+    }
+
+
+def _no_closed_phases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep tests script the open-loop windows only: no settling, and an empty closed-loop phase."""
+    from bench.peers import run
+
+    monkeypatch.setattr(run, "settle", lambda system, patience_s: 0.0)
+    closed = _window(1.0, 1.0) | {"server": {"cpu_ms_per_decision": 1.0, "cores_busy": 1.0, "rss_mb": 1.0}}
+    monkeypatch.setattr(run, "closed", lambda *args: closed | {"decisions": 0})
+
+
+@pytest.mark.parametrize(
+    ("windows", "held", "measured_twice", "checked"),
+    [
+        # an injected stall at 200/s: the second window holds, and the sweep goes on to 300/s
+        (
+            {100: [10.0], 200: [400.0, 12.0], 300: [60.0, 70.0]},
+            200.0,
+            [200.0, 300.0],
+            500 + 1000 + 1000 + 3000,
+        ),
+        # the stall again on the second window: the sweep stops there
+        ({100: [10.0], 200: [400.0, 380.0]}, 100.0, [200.0], 500 + 1000 + 1000),
+    ],
+)
+def test_a_rate_failed_by_an_injected_stall_is_given_up_only_on_two_windows(
+    monkeypatch: pytest.MonkeyPatch,
+    windows: dict[float, list[float]],
+    held: float,
+    measured_twice: list[float],
+    checked: int,
+) -> None:
+    """The open-loop sweep measures a failing rate once more before it stops, for every system, and keeps
+    the failed window in the totals; the rates and p99s here are scripted, the harness is real."""
+    from bench import hotpath
+    from bench.peers import run
+
+    left = {rate: list(p99s) for rate, p99s in windows.items()}
+    _no_closed_phases(monkeypatch)
+    monkeypatch.setattr(
+        run, "open_loop", lambda system, rate, plan, connections: _window(rate, left[rate].pop(0))
+    )
+    system = hotpath.Running("x", "tabular_only", "127.0.0.1:1", 1, False, lambda: None, 1.0)
+    sweep = run.Sweep(batches=(), rates=tuple(windows), settle_s=0.0)
+    plan = run.dataclasses.replace(run.QUICK, c1_calls=0)
+    out = run.measure(system, plan, sweep, (run.P99_LIMIT_MS,))
+    assert out["max_rate_p99_50ms"] == held
+    assert [p["offered_rate"] for p in out["open_first_tries"]] == measured_twice
+    assert out["decisions_checked"] == checked
+    assert all(not p for p in left.values()), "every scripted window was measured"
+
+
+def test_a_wrong_answer_is_never_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window with a wrong answer ends the sweep at once: only a stall earns a second window."""
+    from bench import hotpath
+    from bench.peers import run
+
+    calls: list[float] = []
+    _no_closed_phases(monkeypatch)
+    monkeypatch.setattr(
+        run,
+        "open_loop",
+        lambda system, rate, plan, connections: calls.append(rate) or _window(rate, 5.0, wrong=1),
+    )
+    system = hotpath.Running("x", "tabular_only", "127.0.0.1:1", 1, False, lambda: None, 1.0)
+    out = run.measure(system, run.QUICK, run.Sweep(batches=(), rates=(100, 200), settle_s=0.0), (50.0,))
+    assert calls == [100]
+    assert out["wrong"] == 1
+    assert out["max_rate_p99_50ms"] == 0.0
