@@ -106,8 +106,10 @@ VARIANTS: dict[str, Variant] = {
     "tabular_learning": Variant(
         "tabular_only", {}, add=(("audit", {"path": "audit"}), ("feedback", {"log_path": "feedback.sqlite"}))
     ),
+    # Serve's adaptive batching on the intent model, two batches at once (BatchingSpec's default).
     "card_fraud_batched": Variant(
-        "card_fraud", {"intent": {"batching": {"max_batch_size": 8, "max_wait_ms": 2}}}
+        "card_fraud",
+        {"intent": {"batching": {"max_batch_size": 8, "max_wait_ms": 2, "max_concurrent_batches": 2}}},
     ),
     # The intent LLM inside each ingress replica (its engine thread there): no lane, no second process.
     "card_fraud_inline": Variant(

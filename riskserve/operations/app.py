@@ -154,8 +154,10 @@ def build_application(
             continue  # built by each ingress replica from the spec; its artifact is the ingress's user_config
         batching = model.batching.model_dump() if model.batching is not None else None
         max_ongoing = model.max_ongoing_requests
-        if model.batching is not None:  # Serve wants room for a whole batch of calls per replica
-            max_ongoing = max(max_ongoing, model.batching.max_batch_size)
+        if model.batching is not None:  # Serve wants room for every batch it may run at once
+            max_ongoing = max(
+                max_ongoing, model.batching.max_batch_size * model.batching.max_concurrent_batches
+            )
         replica_class = LanedModelReplica if spec.serving.model_lanes else ModelReplica
         deployment = serve.deployment()(replica_class).options(
             name=names[name],

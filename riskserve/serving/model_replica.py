@@ -13,8 +13,6 @@ import asyncio
 from collections import OrderedDict
 from typing import Any
 
-from ray import serve
-
 from riskserve.platform.errors import ModelUnavailable
 from riskserve.platform.runner import CandidateReport, ModelAnswer, ModelRunner, ModelStatus
 from riskserve.platform.shared_matrix import InputInfo, InputSeen, SharedMatrix
@@ -27,15 +25,12 @@ from riskserve.platform.tracing import (
     start_span,
 )
 from riskserve.platform.validation import FeatureMatrix
+from riskserve.serving.text_batching import batched_texts
 from riskserve.wrappers import BackendEntry, backend, register_backend
 
 __all__ = ["InputInfo", "ModelReplica", "SharedMatrix"]
 
 _INPUTS_KEPT = 256
-
-
-def _texts_in(calls: list[list[str]]) -> int:
-    return sum(len(texts) for texts in calls)
 
 
 class ModelReplica:
@@ -58,8 +53,9 @@ class ModelReplica:
         registered: dict[str, BackendEntry] | None = None,
     ) -> None:
         """``columns``: the shared matrix's; ``declared``: what the pipeline says the model reads;
-        ``batching``: ``{max_batch_size, max_wait_ms}`` to batch concurrent text calls; ``registered``:
-        test-only backend kinds the builder's process registered (see :mod:`riskserve.wrappers`)."""
+        ``batching``: a dumped ``BatchingSpec``, to batch concurrent text calls
+        (:mod:`riskserve.serving.text_batching`); ``registered``: test-only backend kinds the builder's
+        process registered (see :mod:`riskserve.wrappers`)."""
         for kind, entry in (registered or {}).items():
             register_backend(kind, *entry)
         self._tracing = configure_tracing(TracingSettings.model_validate(tracing or {}))
@@ -67,11 +63,10 @@ class ModelReplica:
             name, kind, settings, columns, declared, backends=backend, placement="deployment"
         )
         self._inputs: OrderedDict[str, InputSeen] = OrderedDict()
-        self._batching = batching
-        if batching is not None:
-            batched: Any = self._texts_batched  # Serve's batch wrapper has setters mypy cannot see
-            batched.set_max_batch_size(int(batching["max_batch_size"]))
-            batched.set_batch_wait_timeout_s(float(batching["max_wait_ms"]) / 1e3)
+        self._batch_size = int(batching["max_batch_size"]) if batching is not None else 0
+        self._texts_batched = (
+            batched_texts(self._runner.predict_texts, batching) if batching is not None else None
+        )
         if "artifact" in settings:  # deployed without a user_config: load now
             await self._runner.serve(str(settings["artifact"]))
 
@@ -108,33 +103,12 @@ class ModelReplica:
         """Label a batch of texts; with ``batching``, together with other calls' texts (a call that fills a
         batch by itself, such as a large ``DecideBatch``, goes straight to the backend)."""
         with self._span(trace, len(texts)) as span:
-            if self._batching is None or len(texts) >= int(self._batching["max_batch_size"]):
+            if self._texts_batched is None or len(texts) >= self._batch_size:
                 answer = await self._runner.predict_texts(texts)  # a whole batch already: no waiting
             else:
                 answer = await self._texts_batched(texts)
             span.set_attribute("model.version", answer.version)
             return answer
-
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002, batch_size_fn=_texts_in)
-    async def _texts_batched(self, calls: list[list[str]]) -> list[ModelAnswer]:
-        """Concurrent calls' texts as one backend call, split back per call (sizes counted in texts)."""
-        flat = [text for texts in calls for text in texts]
-        whole = await self._runner.predict_texts(flat)
-        answers, start = [], 0
-        for texts in calls:
-            end = start + len(texts)
-            answers.append(
-                ModelAnswer(
-                    model=whole.model,
-                    version=whole.version,
-                    scores=whole.scores[start:end],
-                    labels=None if whole.labels is None else whole.labels[start:end],
-                    latency_ms=whole.latency_ms,
-                    extra={**whole.extra, "batched_with": len(flat)},
-                )
-            )
-            start = end
-        return answers
 
     def _span(self, trace: dict[str, str] | None, rows: int) -> Any:
         attributes: dict[str, str | int] = {
