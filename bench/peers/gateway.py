@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench._common import serve_until_signalled
 from bench.floor_server import Front
 from bench.peers.v2 import matrix_request, outputs, positive_class, services
 from riskserve.platform.errors import RiskServeError
@@ -104,13 +104,7 @@ async def serve(pipeline: Path, backend: str, output: dict[str, str], host: str,
     pb_grpc.add_RiskPipelineServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    print(f"serving on {host}:{bound}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    await server.stop(grace=1.0)
+    await serve_until_signalled(server, f"{host}:{bound}")
     await channel.close()
 
 

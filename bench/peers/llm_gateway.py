@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench._common import serve_until_signalled
 from bench.peers.card_fraud import FALLBACK_INTENT, IntentPrompt, intent_from_logprobs, respond
 from bench.peers.v2 import decision_request, outputs, services
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
@@ -179,13 +179,7 @@ async def serve(args: argparse.Namespace) -> None:
         pb_grpc.add_RiskPipelineServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         bound = server.add_insecure_port(f"{args.host}:{args.port}")
         await server.start()
-        print(f"serving on {args.host}:{bound}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        await stop.wait()
-        await server.stop(grace=1.0)
+        await serve_until_signalled(server, f"{args.host}:{bound}")
     await channel.close()
 
 

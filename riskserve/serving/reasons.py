@@ -150,9 +150,10 @@ class ReasonExplainer:
     def _strongest(
         self, matrix: FeatureMatrix, results: Sequence[Mapping[str, ModelResult]]
     ) -> tuple[list[list[float]], list[list[str]], list[list[int]]]:  # (values, models, fields)
-        """Each row's field indexes strongest first (ties in field order) and, in that order, the field's
-        largest contribution from any model that scored the row with the version that computed it
-        (``-inf`` when none did) and that model's name. Whole-batch numpy: no Python loop over fields."""
+        """Each row's ``top`` strongest field indexes, strongest first (ties in field order) and, in that
+        order, the field's largest contribution from any model that scored the row with the version that
+        computed it (``-inf`` when none did) and that model's name. Whole-batch numpy: no Python loop over
+        fields, and only the ``top`` columns a row can use are turned into lists."""
         names = list(self._tabular)
         rows, fields = len(results), len(self._fields)
         stacked = np.full((max(len(names), 1), rows, fields), -np.inf)
@@ -163,7 +164,7 @@ class ReasonExplainer:
             )
             stacked[k][usable] = values[usable]
         best = stacked.max(axis=0)
-        order = np.argsort(-best, axis=1, kind="stable")
+        order = np.argsort(-best, axis=1, kind="stable")[:, : self.settings.top]
         model_index = stacked.argmax(axis=0)  # the first model on a tie, as they are listed
         model_names = np.array(names or [""], dtype=object)
         return (
