@@ -87,3 +87,57 @@ def test_max_concurrent_batches_is_bounded_and_defaults_to_two() -> None:
     assert BatchingSpec().max_concurrent_batches == 2
     with pytest.raises(ValueError, match="max_concurrent_batches"):
         BatchingSpec(max_concurrent_batches=0)
+
+
+class StampingBackend(RecordingBackend):
+    """A :class:`RecordingBackend` that also notes when each call reached it (the loop's clock)."""
+
+    def __init__(self, hold_s: float = 0.0) -> None:
+        super().__init__(hold_s)
+        self.reached: list[float] = []
+
+    async def predict_texts(self, texts: list[str]) -> ModelAnswer:
+        self.reached.append(asyncio.get_running_loop().time())
+        return await super().predict_texts(texts)
+
+
+@pytest.mark.parametrize("wait_only_when_busy", [True, False])
+def test_a_text_for_an_idle_backend_waits_only_under_serves_own_rule(wait_only_when_busy: bool) -> None:
+    """One call, the backend idle: by default it reaches the backend at once; with Serve's own rule it
+    waits out ``max_wait_ms`` (0.4 s here, so the two cannot be confused on a slow machine)."""
+    backend = StampingBackend()
+    spec = BatchingSpec(max_batch_size=8, max_wait_ms=400, wait_only_when_busy=wait_only_when_busy)
+
+    async def main() -> float:
+        predict = batched_texts(backend.predict_texts, spec.model_dump())
+        sent = asyncio.get_running_loop().time()
+        answer = await predict(["alone"])
+        assert answer.labels == ["ALONE"]
+        return backend.reached[0] - sent
+
+    waited = asyncio.run(main())
+    if wait_only_when_busy:
+        assert waited < 0.2
+    else:
+        assert waited >= 0.4
+
+
+def test_texts_arriving_while_a_batch_is_in_the_backend_wait_for_each_other() -> None:
+    """The first text finds the backend idle and goes alone; three more, 30 ms apart, arrive while it is
+    in the backend (0.3 s) and wait up to ``max_wait_ms`` (0.2 s) for each other: one batch of three."""
+    backend = StampingBackend(hold_s=0.3)
+    spec = BatchingSpec(max_batch_size=8, max_wait_ms=200)
+
+    async def main() -> list[ModelAnswer]:
+        predict = batched_texts(backend.predict_texts, spec.model_dump())
+        first = asyncio.ensure_future(predict(["first"]))
+        later = []
+        for i in range(3):
+            await asyncio.sleep(0.03)
+            later.append(asyncio.ensure_future(predict([f"later{i}"])))
+        return await asyncio.gather(first, *later)
+
+    answers = asyncio.run(main())
+    assert backend.calls == [["first"], ["later0", "later1", "later2"]]
+    assert [a.labels for a in answers] == [["FIRST"], ["LATER0"], ["LATER1"], ["LATER2"]]
+    assert [a.extra["batched_with"] for a in answers] == [1, 3, 3, 3]
