@@ -289,7 +289,10 @@ def test_a_batchs_reasons_are_each_rows_strongest_usable_fields(pipeline: Pipeli
     explained = explainer.explain(stage.matrix, stage.rows, results)
     # One row at a time takes the plain-Python ranking (FEW_ROWS), the batch the numpy one: the same reasons.
     assert len(requests) > FEW_ROWS
-    alone = [explainer.explain(stage.matrix[i : i + 1], [stage.rows[i]], [results[i]]) for i in range(120)]
+    alone = [
+        explainer.explain(stage.matrix[i : i + 1], [stage.rows[i]], [results[i]])
+        for i in range(len(requests))
+    ]
     # (The contributions of a row alone may differ from the batch's in the last bit: the sums run in
     # another order.)
     assert [[(r.field, r.model, r.value) for r in reasons] for [reasons] in alone] == [
