@@ -209,3 +209,44 @@ def test_the_llms_floor_serves_the_bare_engine_over_grpc(demo_models: Path, tmp_
         assert window["server"]["cpu_s"] > 0
     finally:
         served.stop()
+
+
+def test_paired_rounds_alternate_two_servers_and_their_medians_are_judged(
+    demo_models: Path, tmp_path: Path
+) -> None:
+    """Two floors stand in for the floor and ``tabular_only`` (no Ray here): the rounds alternate who
+    goes first, each ratio is the two turns' figures divided, the medians are what the targets judge."""
+    import dataclasses
+    import statistics
+
+    sys.path.insert(0, str(BENCH.parent))
+    from bench import hotpath
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    floor = hotpath.start_floor(demo_models, tmp_path / "a")
+    other = dataclasses.replace(hotpath.start_floor(demo_models, tmp_path / "b"), name=hotpath.PAIRED_TABULAR)
+    try:
+        paired = hotpath.paired_tabular(floor, other, hotpath.QUICK, 1)
+    finally:
+        floor.stop()
+        other.stop()
+    rounds = paired["rounds"]
+    assert [r["first"] for r in rounds] == ["floor", hotpath.PAIRED_TABULAR]
+    assert paired["errors"] == 0
+    for r in rounds:
+        mine, theirs = r["turns"][hotpath.PAIRED_TABULAR], r["turns"]["floor"]
+        for turn in (mine, theirs):
+            assert turn["batch"]["decisions"] == turn["batch"]["ok"] * hotpath.QUICK.batch_rows
+            assert turn["c8"]["server"]["cpu_ms_per_decision"] > 0
+        assert r["ratios"]["p99_c1"] == mine["c1"]["latency_ms"]["p99"] / theirs["c1"]["latency_ms"]["p99"]
+        assert r["ratios"]["throughput_c8"] == mine["c8"]["decisions_per_s"] / theirs["c8"]["decisions_per_s"]
+    for key in hotpath.TABULAR_RATIOS:
+        assert paired["ratios_median"][key] == statistics.median(r["ratios"][key] for r in rounds)
+    verdicts = {v["target"]: v for v in hotpath.targets({hotpath.PAIRED_KEY: paired}, {})}
+    assert set(verdicts) == {f"{hotpath.PAIRED_TABULAR} {key}" for key in hotpath.TABULAR_LIMITS}
+    for key, limit in hotpath.TABULAR_LIMITS.items():
+        verdict = verdicts[f"{hotpath.PAIRED_TABULAR} {key}"]
+        value = paired["ratios_median"][key]
+        assert verdict["value"] == value
+        assert verdict["met"] == (value >= limit if key == "throughput_c8" else value <= limit)
