@@ -716,6 +716,14 @@ take around the LLM (a tabular decision's c=1 round trip is ~1.4 ms here, card_f
 intent replica ~2.3-2.8 ms)."""
 
 
+def _riskserve_turn(system: Running, served: Running, plan: Plan, channels: int) -> dict[str, Any]:
+    """riskserve's c=1 window of a paired round, the LLM's floor frozen; it starts once riskserve is idle
+    again (:func:`settle`: the timers that fell due while it was frozen run first, not in the window)."""
+    with frozen(served):
+        settle(system, patience_s=10.0)
+        return closed(system, 1, plan.c1_calls, plan, channels)
+
+
 def paired_card_fraud(
     system: Running, bare: BareEngine, served: Running, plan: Plan, channels: int
 ) -> dict[str, Any]:
@@ -724,8 +732,9 @@ def paired_card_fraud(
     The two are measured minutes apart otherwise, and on these 2 shared cores the engine step alone
     moves by 3.4-5.7 ms between runs: more than the 3 ms budget around it. Here each round times the
     bare engine (riskserve frozen meanwhile, so Ray's idle work costs the bare engine nothing), then
-    riskserve's c=1 (the bare engine idle). The figure is the median over rounds of riskserve's p50
-    minus the bare p50 of the same round.
+    riskserve's c=1 (the bare engine idle), in that order in even rounds and the other way round in odd
+    ones; riskserve's window starts once it is idle again after being frozen. The figure is the median
+    over rounds of riskserve's p50 minus the bare p50 of the same round.
 
     The bare engine is also timed paced (:data:`PACED_GAP_MS` idle before each prompt), as any server's
     engine is at c=1 while the caller and the front door do their part: in a plain process, the same
@@ -741,13 +750,15 @@ def paired_card_fraud(
     """
     rounds = []
     for index in range(plan.paired_rounds):
+        riskserve_first = index % 2 == 1  # neither side always takes the later minute of a round
+        if riskserve_first:
+            riskserve_round = _riskserve_turn(system, served, plan, channels)
         with frozen(system):
             bare_round = bare.round(plan.vllm_prompts)
             paced_round = bare.round(plan.vllm_prompts, gap_ms=PACED_GAP_MS)
             served_round = closed(served, 1, plan.c1_calls, plan, channels)
-        time.sleep(1.0)  # Ray's timers that fell due while frozen run now, not in the window
-        with frozen(served):
-            riskserve_round = closed(system, 1, plan.c1_calls, plan, channels)
+        if not riskserve_first:
+            riskserve_round = _riskserve_turn(system, served, plan, channels)
         added = riskserve_round["latency_ms"]["p50"] - bare_round["single"]["p50"]
         served_p50 = served_round["latency_ms"]["p50"]
         rounds.append(
@@ -762,6 +773,7 @@ def paired_card_fraud(
                 "bare_served_p99_ms": served_round["latency_ms"]["p99"],
                 "added_vs_served_ms": riskserve_round["latency_ms"]["p50"] - served_p50,
                 "errors": riskserve_round["error_count"] + served_round["error_count"],
+                "first": system.name if riskserve_first else "bare",
             }
         )
         log(
