@@ -1174,16 +1174,14 @@ def run_systems(
             elif name == "floor" and PAIRED_TABULAR in names and plan.tabular_rounds:
                 with running(name, models, run_dir) as floor:
                     results[name] = measure_grpc(floor, plan, channels)
-                    log(
-                        f"{name}: done in {time.perf_counter() - started:.0f} s; "
-                        f"now paired with {PAIRED_TABULAR}"
-                    )
-                    started = time.perf_counter()
+                    log(f"{name}: its own phases done in {time.perf_counter() - started:.0f} s")
+                    paired_started = time.perf_counter()
                     try:
                         results[PAIRED_KEY] = measure_paired_tabular(floor, models, plan, channels, run_dir)
                     except (RuntimeError, subprocess.TimeoutExpired, OSError) as error:
                         log(f"{PAIRED_KEY}: FAILED: {error}")
                         results[PAIRED_KEY] = {"error": str(error)}
+                    log(f"{PAIRED_KEY}: done in {time.perf_counter() - paired_started:.0f} s")
             else:
                 with running(name, models, run_dir) as system:
                     results[name] = measure_grpc(system, plan, channels)
