@@ -514,12 +514,17 @@ def settle(system: Running, *, idle_cores: float = 0.1, patience_s: float = 45.0
     return time.monotonic() - started
 
 
+def warm_up(system: Running, plan: Plan, channels: int) -> None:
+    """``plan.warmup`` calls at c=8, unmeasured: what every system gets before its first window."""
+    options = ["-c8", f"--calls={plan.warmup}", "--seconds=60", "--warmup=0", f"--channels={channels}"]
+    loadgen(system, "closed", options, bound_s=_bound(60.0, 0))
+
+
 def measure_grpc(system: Running, plan: Plan, channels: int) -> dict[str, Any]:
     """Every phase against one started system."""
     waited = settle(system)
     log(f"{system.name}: idle after {waited:.0f} s; warm-up ({plan.warmup} calls at c=8)")
-    options = ["-c8", f"--calls={plan.warmup}", "--seconds=60", "--warmup=0", f"--channels={channels}"]
-    loadgen(system, "closed", options, bound_s=_bound(60.0, 0))
+    warm_up(system, plan, channels)
     out: dict[str, Any] = {"startup_s": system.startup_s, "target": system.target}
     out["c1"] = closed(system, 1, plan.c1_calls, plan, channels)
     log(f"{system.name}: c=1 {_brief(out['c1'])}")
@@ -800,7 +805,10 @@ PAIRED_TABULAR = "tabular_only"
 """The tabular system judged against the floor in alternating rounds (:func:`paired_tabular`)."""
 PAIRED_KEY = "tabular_only_paired"
 """Where :func:`run_systems` keeps those rounds, beside the systems' own results."""
-TABULAR_RATIOS = ("p50_c1", "p99_c1", "throughput_c8", "cpu_per_decision", "batch")
+TABULAR_LIMITS = {"p50_c1": 1.5, "p99_c1": 2.0, "throughput_c8": 0.6, "cpu_per_decision": 1.5, "batch": 1.5}
+"""Issue 10's tabular targets, as ratios to the floor; throughput is a floor (at least), the rest ceilings."""
+TABULAR_RATIOS = tuple(TABULAR_LIMITS)
+"""The ratios a tabular round takes (:func:`turn_ratios`), one per target."""
 
 
 def tabular_turn(system: Running, plan: Plan, channels: int) -> dict[str, Any]:
@@ -876,8 +884,7 @@ def measure_paired_tabular(
                 f"{system.name}: idle after {waited:.0f} s; warm-up, then {plan.tabular_rounds} rounds "
                 "with the floor"
             )
-            warmup = ["-c8", f"--calls={plan.warmup}", "--seconds=60", "--warmup=0", f"--channels={channels}"]
-            loadgen(system, "closed", warmup, bound_s=_bound(60.0, 0))
+            warm_up(system, plan, channels)
         return paired_tabular(floor, system, plan, channels)
 
 
@@ -904,8 +911,6 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
-TABULAR_LIMITS = {"p50_c1": 1.5, "p99_c1": 2.0, "throughput_c8": 0.6, "cpu_per_decision": 1.5, "batch": 1.5}
-"""Issue 10's tabular targets, as ratios to the floor; throughput is a floor (at least), the rest ceilings."""
 CARD_FRAUD_BUDGET_MS = 3.0
 """What card_fraud's c=1 p50 may add to the bare engine's."""
 CARD_FRAUD_C8_BEFORE = 55.0
@@ -1140,12 +1145,11 @@ def measure_card_fraud(
     try:
         served = start_llm_floor(models, run_dir)
         log(f"{name}: the LLM's floor serves on {served.target} (up in {served.startup_s:.1f} s)")
-        warmup = ["-c8", f"--calls={plan.warmup}", "--seconds=60", "--warmup=0", f"--channels={channels}"]
-        loadgen(served, "closed", warmup, bound_s=_bound(60.0, 0))
+        warm_up(served, plan, channels)
         with running(name, models, run_dir) as system:
             waited = settle(system)
             log(f"{name}: idle after {waited:.0f} s; warm-up, then {plan.paired_rounds} paired rounds")
-            loadgen(system, "closed", warmup, bound_s=_bound(60.0, 0))
+            warm_up(system, plan, channels)
             paired = paired_card_fraud(system, bare, served, plan, channels)
             served.stop()  # nothing of the floors runs beside riskserve's own phases
             served = None
