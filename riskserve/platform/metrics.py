@@ -531,6 +531,8 @@ class _Registry:
         """Held to tally a record and to take the tallies (never during a call into Ray)."""
         self._sums: dict[tuple[str, _Tags], float] = {}
         """Each counter series' sum since the last flush."""
+        self._latest: dict[tuple[str, _Tags], tuple[MetricSpec, float]] = {}
+        """Each tallied gauge series' last value since the last flush (see :meth:`move_gauge`)."""
         self._specs: dict[str, MetricSpec] = {}
         self._flusher: threading.Thread | None = None
         self._flush_lock = threading.Lock()
@@ -607,6 +609,20 @@ class _Registry:
         if self._flusher is None:
             self._start_flusher()
 
+    def move_gauge(self, spec: MetricSpec, series: _Tags, key: tuple[str, str], delta: int) -> int:
+        """Add ``delta`` to the count ``key`` (a model's calls in flight) and tally it as the gauge
+        ``series``' value; the flusher sets it in Ray (then the refresher re-sends it). Returns the count.
+
+        For a gauge that moves twice per model call: setting it in Ray each time cost two Ray calls, and the
+        lock the refresher holds while it re-sends every gauge, on the request path."""
+        with self._record_lock:
+            count = self.in_flight.get(key, 0) + delta
+            self.in_flight[key] = count
+            self._latest[(spec.name, series)] = (spec, float(count))
+        if self._flusher is None:
+            self._start_flusher()
+        return count
+
     def _start_flusher(self) -> None:
         if self._flusher is None:
             with self._lock:
@@ -629,12 +645,22 @@ class _Registry:
         with self._flush_lock:
             with self._record_lock:
                 sums, self._sums = self._sums, {}
+                latest, self._latest = self._latest, {}
                 specs = dict(self._specs)
             with self._lock:  # the local tally, and Ray's metric objects, made once under this lock
                 counts = self._counts
                 for key, total in sums.items():
                     counts[key] = counts.get(key, 0.0) + total
                 metrics = {name: self._metric(specs[name]) for name, _ in sums}
+                for (name, tags), (spec, value) in latest.items():  # set in order with the refresher
+                    self._counts[(name, tags)] = self._gauges[(name, tags)] = value
+                    self._start_refresher()
+                    try:
+                        self._metric(spec).set(value, tags=dict(tags))
+                    except Exception:
+                        if not self._flush_failed:
+                            self._flush_failed = True
+                            logger.exception("riskserve metrics: handing records to Ray failed")
             try:
                 for (name, tags), total in sums.items():
                     metrics[name].inc(total, tags=dict(tags))
@@ -848,6 +874,7 @@ class ModelMetrics:
         self.kind = kind
         self._call_series: dict[str, tuple[_Tags, _Tags, _Tags]] = {}
         """Per version, the three series one answered call records into (built once per version)."""
+        self._in_flight_series: _Tags | None = None
 
     def __repr__(self) -> str:
         return f"ModelMetrics(model={self.model!r}, kind={self.kind!r})"
@@ -909,15 +936,14 @@ class ModelMetrics:
         """Count a call as in flight while the block runs (also around ``await`` in async code)."""
         registry = _registry()
         key = (self.model, self.kind)
-        with registry._lock:
-            registry.in_flight[key] = registry.in_flight.get(key, 0) + 1
-            registry.set_gauge(MODEL_IN_FLIGHT, self._tags(), registry.in_flight[key])
+        series = self._in_flight_series
+        if series is None:
+            series = self._in_flight_series = _series(MODEL_IN_FLIGHT, self._tags())
+        registry.move_gauge(MODEL_IN_FLIGHT, series, key, +1)
         try:
             yield
         finally:
-            with registry._lock:
-                registry.in_flight[key] -= 1
-                registry.set_gauge(MODEL_IN_FLIGHT, self._tags(), registry.in_flight[key])
+            registry.move_gauge(MODEL_IN_FLIGHT, series, key, -1)
 
     def set_version(self, version: str) -> None:
         """``version`` is now served: its ``version_info`` series is 1, the one it replaces 0."""

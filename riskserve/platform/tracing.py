@@ -494,6 +494,7 @@ def optional_span(
     enabled: bool,
     name: str,
     *,
+    context: Context | None = None,
     kind: SpanKind = SpanKind.INTERNAL,
     attributes: Mapping[str, AttributeValue | None] | None = None,
 ) -> AbstractContextManager[Span]:
@@ -503,7 +504,7 @@ def optional_span(
     attribute work on every decision that is not sampled. The trace id still reaches the caller.
     """
     if enabled:
-        return start_span(name, kind=kind, attributes=attributes)
+        return start_span(name, context=context, kind=kind, attributes=attributes)
     return nullcontext(INVALID_SPAN)
 
 

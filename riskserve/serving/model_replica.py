@@ -22,7 +22,7 @@ from riskserve.platform.tracing import (
     TracingSettings,
     configure_tracing,
     extract,
-    start_span,
+    optional_span,
 )
 from riskserve.platform.validation import FeatureMatrix
 from riskserve.serving.text_batching import batched_texts
@@ -111,13 +111,20 @@ class ModelReplica:
             return answer
 
     def _span(self, trace: dict[str, str] | None, rows: int) -> Any:
+        """The model's span, a child of the caller's, only when the caller sends its trace context: the
+        ingress sends it for a sampled decision alone. Without one, a span here would start a trace of its
+        own holding the model alone, sampled apart from its decision (and cost ~40 µs a call for nothing)."""
         attributes: dict[str, str | int] = {
             "model.name": self._runner.name,
             "model.kind": self._runner.kind,
             "rows": rows,
         }
-        return start_span(
-            SPAN_MODEL_PREDICT, context=extract(trace), kind=SpanKind.SERVER, attributes=attributes
+        return optional_span(
+            bool(trace),
+            SPAN_MODEL_PREDICT,
+            context=extract(trace) if trace else None,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
         )
 
     def metadata(self) -> ModelStatus:

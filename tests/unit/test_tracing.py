@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -52,6 +53,7 @@ from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 from riskserve.serving.flow import DecisionFlow
 from riskserve.serving.frontdoor import APPLICATION_METADATA, Admission, _Service
 from riskserve.serving.guarded_call import GuardedModel, LocalEndpoint
+from riskserve.serving.model_replica import ModelReplica
 from riskserve.wrappers import backend
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -342,6 +344,40 @@ def test_the_callee_follows_the_ingress_sampling_decision(tmp_path: Path) -> Non
     raw = RawRequest(numeric=dict(request.numeric), categorical=dict(request.categorical), text="")
     stage.encode([raw], carrier, share=False)
     assert read_spans(path) == []
+
+
+def test_a_model_replica_records_its_span_only_under_the_callers_sampled_trace(
+    models: Path, tmp_path: Path
+) -> None:
+    """The ingress sends its trace context to a model in its own deployment only for a sampled decision.
+    With it, the replica's span is a child of the caller's; without it, the replica records nothing, even
+    sampling every root: a span there would start a trace holding the model alone."""
+    path = tmp_path / "spans.jsonl"
+    spec = pipeline_spec(models, file_settings(path, sample_ratio=1.0))
+    settings = {**spec.runner_settings("fraud"), "artifact": str(spec.artifact_path("fraud"))}
+    columns = spec.features.column_names()
+    matrix = np.zeros((2, len(columns)), dtype=np.float32)
+
+    class Replica(ModelReplica):
+        def __del__(self) -> None:  # Serve awaits the async one at shutdown; the test awaits it below
+            pass
+
+    async def calls() -> None:
+        replica = Replica.__new__(Replica)
+        tracing = file_settings(path, sample_ratio=1.0).model_dump(mode="json")
+        await ModelReplica.__init__(replica, "fraud", "sklearn", settings, columns, tracing=tracing)
+        unsampled = await replica.predict_features(matrix, {})
+        sampled = await replica.predict_features(matrix, {"traceparent": SAMPLED})
+        assert len(unsampled.scores) == len(sampled.scores) == 2  # both answered
+        await ModelReplica.__del__(replica)
+
+    asyncio.run(calls())
+    flush_tracing()
+    predicts = by_name(read_spans(path), SPAN_MODEL_PREDICT)
+    assert len(predicts) == 1
+    assert predicts[0]["trace_id"] == CALLER_TRACE
+    assert predicts[0]["parent_span_id"] == CALLER_SPAN
+    assert predicts[0]["attributes"]["model.name"] == "fraud"
 
 
 def test_exporter_none_exports_nothing_and_keeps_the_callers_trace_id(
