@@ -6,10 +6,12 @@ comparisons over model scores and numeric features, which numpy computes for all
 
 Only a subset of CEL is compiled here, typed statically so that CEL's own rules hold: double arithmetic
 (``+ - * /``, unary ``-``), numeric comparisons (int and double mix, as in CEL), ``&& || !`` on bools,
-``max``/``min`` of two doubles, number and bool literals, and the variables ``risk_score``,
-``models.<name>.score``, ``models.<name>.fallback`` and ``features.<numeric field>`` (one that always has
-a value). Anything else (strings, labels, ``in``, ``has``, the ternary, int arithmetic, ...) is not
-compiled and the pipeline decides row by row, as before. Where CEL would raise for a row (an ordering
+``max``/``min`` of two doubles, the conditional ``c ? a : b`` (branches of one type), number, bool and
+string literals (no escapes), a model's label compared with ``==``/``!=`` to a string or tested with ``in``
+against a list of string literals, and the variables ``risk_score``, ``models.<name>.score``,
+``models.<name>.fallback``, ``models.<name>.label`` and ``features.<numeric field>`` (one that always has
+a value). Anything else (other strings, ``has``, string ordering, int arithmetic, ...) is not compiled
+and the pipeline decides row by row, as before. Where CEL would raise for a row (an ordering
 comparison with NaN, a NaN risk score) that row is marked and decided row by row too, so it gets the same
 REVIEW and reason. At load the two ways are compared on sample rows; any difference keeps the row-by-row
 way (see :class:`BatchRules`).
@@ -21,7 +23,7 @@ import math
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -36,7 +38,8 @@ __all__ = [
 ]
 
 _Array = np.ndarray[Any, np.dtype[Any]]
-_Type = Literal["double", "int", "bool"]
+_Type = Literal["double", "int", "bool", "string", "list"]
+"""Static types; ``list`` is a list of string literals, only ever the right side of ``in``."""
 
 
 class NotCompilable(Exception):
@@ -52,6 +55,8 @@ class BatchInputs:
     fallbacks: Mapping[str, _Array]
     features: Mapping[str, _Array]
     risk_score: _Array | None = None
+    labels: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    """Each model's labels, of the models whose label an expression reads."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class RowInputs:
     fallbacks: Mapping[str, bool]
     features: Mapping[str, float]
     risk_score: float = float("nan")
+    labels: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,7 @@ _TOKEN = re.compile(
     r"\s*(?:"
     r"(?P<number>(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?[uU]?)"
     r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)"
+    r"|(?P<string>'[^'\\\n]*'|\"[^\"\\\n]*\")"
     r"|(?P<op>&&|\|\||<=|>=|==|!=|[-+*/%<>!().,?:\[\]{}\"'])"
     r")"
 )
@@ -178,7 +185,7 @@ class _Parser:
         self._variables = variables
 
     def parse(self) -> _Node:
-        result = self._or()
+        result = self._conditional()
         if self._at != len(self._tokens):
             raise NotCompilable(f"unsupported syntax at {self._peek()!r}")
         return result
@@ -192,6 +199,16 @@ class _Parser:
             raise NotCompilable(f"expected {expected!r}, found {token!r}")
         self._at += 1
         return token
+
+    def _conditional(self) -> _Node:
+        condition = self._or()
+        if self._peek() != "?":
+            return condition
+        self._take()
+        when_true = self._conditional()
+        self._take(":")
+        when_false = self._conditional()
+        return _choice(condition, when_true, when_false)
 
     def _or(self) -> _Node:
         left = self._and()
@@ -210,6 +227,12 @@ class _Parser:
     def _relation(self) -> _Node:
         left = self._additive()
         token = self._peek()
+        if token == "in":
+            self._take()
+            left = _membership(left, self._additive())
+            if self._peek() in _COMPARE or self._peek() == "in":
+                raise NotCompilable("chained comparison")
+            return left
         if token in _COMPARE:
             self._take()
             left = _comparison(token, left, self._additive())
@@ -260,11 +283,15 @@ class _Parser:
     def _primary(self) -> _Node:
         token = self._take()
         if token == "(":
-            inner = self._or()
+            inner = self._conditional()
             self._take(")")
             return inner
         if token[0].isdigit() or token[0] == ".":
             return _literal(token)
+        if token[0] in "'\"":
+            return _constant("string", token[1:-1])
+        if token == "[":
+            return self._strings()
         if token in ("true", "false"):
             return _constant("bool", token == "true")
         if token in ("max", "min") and self._peek() == "(":
@@ -300,13 +327,35 @@ class _Parser:
             return _Node(
                 "bool", lambda batch: _Value(batch.fallbacks[name], None), lambda row: row.fallbacks[name]
             )
+        if field == "label":
+            return _Node(
+                "string",
+                lambda batch: _Value(np.asarray(batch.labels[name], dtype=object), None),
+                lambda row: row.labels[name],
+            )
         raise NotCompilable(f"models.{name}.{field} is not compiled")
+
+    def _strings(self) -> _Node:
+        """A list literal of strings (``[`` taken), for the right side of ``in``."""
+        values: list[str] = []
+        while True:
+            token = self._take()
+            if token[0] not in "'\"":
+                raise NotCompilable("a list of anything but string literals")
+            values.append(token[1:-1])
+            separator = self._take()
+            if separator == "]":
+                break
+            if separator != ",":
+                raise NotCompilable(f"expected ',' or ']', found {separator!r}")
+        members = frozenset(values)
+        return _Node("list", lambda batch: _Value(np.empty(0), None), lambda row: members)
 
     def _extreme(self, function: str) -> _Node:
         self._take("(")
-        first = self._or()
+        first = self._conditional()
         self._take(",")
-        second = self._or()
+        second = self._conditional()
         self._take(")")
         if first.type != "double" or second.type != "double":
             raise NotCompilable(f"{function}() of a non-double")
@@ -336,8 +385,50 @@ def _risk_score(batch: BatchInputs) -> _Value:
     return _Value(batch.risk_score, None)
 
 
-def _constant(kind: _Type, value: float | bool) -> _Node:
-    return _Node(kind, lambda batch: _Value(np.full(batch.rows, value), None), lambda row: value)
+def _constant(kind: _Type, value: float | bool | str) -> _Node:
+    dtype = object if kind == "string" else None
+    return _Node(kind, lambda batch: _Value(np.full(batch.rows, value, dtype=dtype), None), lambda row: value)
+
+
+def _membership(left: _Node, right: _Node) -> _Node:
+    """``label in ['a', 'b']``: a string among string literals (nothing else is compiled)."""
+    if left.type != "string" or right.type != "list":
+        raise NotCompilable(f"'in' between {left.type} and {right.type}")
+    members = right.scalar(RowInputs({}, {}, {}))
+    values = left.vector
+    value_row = left.scalar
+
+    def membership(batch: BatchInputs) -> _Value:
+        strings = values(batch).values
+        return _Value(np.fromiter((s in members for s in strings), dtype=bool, count=len(strings)), None)
+
+    return _Node("bool", membership, lambda row: value_row(row) in members)
+
+
+def _choice(condition: _Node, when_true: _Node, when_false: _Node) -> _Node:
+    """``c ? a : b``. CEL evaluates only the branch taken, so a row is unsure when its condition is, or when
+    the branch it takes is."""
+    if condition.type != "bool":
+        raise NotCompilable("a condition that is not a bool")
+    if when_true.type != when_false.type or when_true.type == "list":
+        raise NotCompilable(f"branches of types {when_true.type} and {when_false.type}")
+    test, first, second = condition.vector, when_true.vector, when_false.vector
+    test_row, first_row, second_row = condition.scalar, when_true.scalar, when_false.scalar
+
+    def choice(batch: BatchInputs) -> _Value:
+        c, a, b = test(batch), first(batch), second(batch)
+        taken = None
+        if a.unsure is not None or b.unsure is not None:
+            never = np.zeros(batch.rows, dtype=bool)
+            a_unsure = never if a.unsure is None else a.unsure
+            b_unsure = never if b.unsure is None else b.unsure
+            taken = np.where(c.values, a_unsure, b_unsure)
+        return _Value(np.where(c.values, a.values, b.values), _or_unsure(c.unsure, taken))
+
+    def choice_row(row: RowInputs) -> Any:
+        return first_row(row) if test_row(row) else second_row(row)
+
+    return _Node(when_true.type, choice, choice_row)
 
 
 def _literal(token: str) -> _Node:
@@ -368,7 +459,8 @@ def _logical(left: _Node, right: _Node, *, either: bool) -> _Node:
 
 def _comparison(operator_: str, left: _Node, right: _Node) -> _Node:
     numbers = {left.type, right.type} <= {"double", "int"}
-    if not numbers and not (left.type == right.type == "bool" and operator_ in ("==", "!=")):
+    same = left.type == right.type and left.type in ("bool", "string")
+    if not numbers and not (same and operator_ in ("==", "!=")):
         raise NotCompilable(f"'{operator_}' between {left.type} and {right.type}")
     compare, compare_row = _COMPARE[operator_]
     ordering = numbers and operator_ not in ("==", "!=")
@@ -383,7 +475,7 @@ def _comparison(operator_: str, left: _Node, right: _Node) -> _Node:
             if nan.any():
                 unsure = _or_unsure(unsure, nan)
         with np.errstate(invalid="ignore"):
-            return _Value(compare(a.values, b.values), unsure)
+            return _Value(np.asarray(compare(a.values, b.values), dtype=bool), unsure)
 
     def comparison_row(row: RowInputs) -> bool:
         a, b = first_row(row), second_row(row)

@@ -158,6 +158,7 @@ class Decision:
 _MODEL_FIELDS = ("score", "label", "fallback", "version")
 _IDENTIFIER = re.compile(r"(?<![\w.])(models|features|text)\b")
 _MODEL_PATH = re.compile(r"models\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
+_STRING = re.compile(r"'[^'\\\n]*'|\"[^\"\\\n]*\"")
 _FEATURE_PATH = re.compile(r"features\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -283,12 +284,15 @@ class DecisionEngine:
                 name: np.fromiter((row.numeric[name] for row in rows), dtype=np.float64, count=count)
                 for name in program.features
             },
+            labels={name: [r.label for r in per_model[name]] for name in program.labels if name in per_model},
         )
         score = program.score.evaluate(inputs)
         raw = score.values
         unsure = np.isnan(raw) if score.unsure is None else score.unsure | np.isnan(raw)
         risk = np.clip(np.nan_to_num(raw, nan=1.0), 0.0, 1.0) + 0.0  # + 0.0: no -0.0, as min/max give
-        inputs = BatchInputs(inputs.rows, inputs.scores, fallbacks, inputs.features, risk_score=risk)
+        inputs = BatchInputs(
+            inputs.rows, inputs.scores, fallbacks, inputs.features, risk_score=risk, labels=inputs.labels
+        )
         matched: list[list[bool]] = []
         for rule in program.rules:
             value = rule.evaluate(inputs)
@@ -350,12 +354,13 @@ class DecisionEngine:
         scores = {name: r.score for name, r in results.items()}
         fallbacks = {name: r.fallback for name, r in results.items()}
         features = {name: row.numeric[name] for name in program.features}
+        labels = {name: results[name].label for name in program.labels if name in results}
         try:
-            raw = program.score.evaluate_row(RowInputs(scores, fallbacks, features))
+            raw = program.score.evaluate_row(RowInputs(scores, fallbacks, features, labels=labels))
             if raw != raw:
                 raise Unsure("NaN risk score")
             risk_score = min(1.0, max(0.0, float(raw)))
-            inputs = RowInputs(scores, fallbacks, features, risk_score)
+            inputs = RowInputs(scores, fallbacks, features, risk_score, labels)
             matched = [rule.evaluate_row(inputs) for rule in program.rules]
         except Unsure:  # CEL raises for this row: decide it the CEL way (REVIEW, with the reason)
             return self._decide_cel(row, results)
@@ -430,6 +435,8 @@ class _BatchProgram:
     score: CompiledExpression
     rules: list[CompiledExpression]
     features: tuple[str, ...]
+    labels: tuple[str, ...] = ()
+    """The models whose label an expression reads."""
 
     @classmethod
     def build(cls, spec: RuleScope) -> _BatchProgram | None:
@@ -448,9 +455,11 @@ class _BatchProgram:
             return None
         if score.type != "double" or any(rule.type != "bool" for rule in rules):
             return None
-        used = _Needs.of([decision.risk_score, *(rule.when for rule in decision.rules)]).features
+        needs = _Needs.of([decision.risk_score, *(rule.when for rule in decision.rules)])
+        used = needs.features
         features = tuple(numeric) if used is None else tuple(f for f in numeric if f in used)
-        return cls(score, rules, features)
+        read = models if needs.models is None else sorted({m for m, f in needs.models if f == "label"})
+        return cls(score, rules, features, tuple(read))
 
 
 def _samples(spec: RuleScope, count: int) -> tuple[list[ValidRow], dict[str, list[ModelResult]]]:
@@ -474,12 +483,16 @@ def _samples(spec: RuleScope, count: int) -> tuple[list[ValidRow], dict[str, lis
             elif isinstance(field, CategoricalField):
                 categorical[name] = chooser.choice(field.vocabulary)
         rows.append(ValidRow(numeric=numeric, categorical=categorical, text="sample"))
+    # Labels: every string the expressions name, none at all, and one they do not name.
+    expressions = [spec.decision.risk_score, *(rule.when for rule in spec.decision.rules)]
+    labels = sorted({"", "sample"} | {m[1:-1] for e in expressions for m in _STRING.findall(e)})
     per_model = {
         name: [
             ModelResult(
                 name=name,
                 version="sample",
                 score=chooser.choice(scores) if chooser.random() < 0.5 else chooser.random(),
+                label=chooser.choice(labels),
                 fallback=chooser.random() < 0.1,
                 fallback_reason="sample",
             )

@@ -26,6 +26,7 @@ from riskserve.schema.rules import ModelResult
 from ..conftest import PIPELINES
 
 MODELS = ("fraud", "credit")
+LABELS = ("", "urgent", "account", "other")
 FEATURES = ("amount", "hour")
 SUPPORTED = [
     "0.5 * models.fraud.score + 0.5 * models.credit.score",
@@ -40,11 +41,26 @@ SUPPORTED = [
     "(models.credit.fallback == true) != false",
     "(features.hour - 12.0) * (features.hour - 12.0) > 30.0 || risk_score != 0.5",
     "risk_score * 1e3 > .5e3",
+    "models.fraud.label == 'urgent'",
+    'models.credit.label != "account" && risk_score > 0.3',
+    "models.fraud.label in ['urgent', 'account'] || models.credit.label in ['']",
+    "risk_score > 0.5 ? true : models.fraud.fallback",
+    "0.5 * models.credit.score + 0.5 * (models.fraud.label in ['urgent'] ? models.fraud.score : 0.0)",
+    "(models.fraud.label == 'urgent' ? risk_score : 1.0 - risk_score) >= 0.5",
+    "models.fraud.fallback ? 0.0 : max(models.fraud.score, models.credit.score) / 2.0",
+    "models.fraud.label == 'urgent' ? models.credit.label == 'account' : false ? true : risk_score < 0.2",
 ]
 NOT_COMPILED = [
     "models.intent.label == 'urgent'",
-    "models.fraud.label in ['a', 'b']",
-    "risk_score > 0.5 ? true : false",
+    "models.fraud.label < 'b'",
+    "'a' in models.fraud.label",
+    "risk_score in [0.5, 0.6]",
+    "models.fraud.label in ['a', 1]",
+    "models.fraud.label == 'it\\'s'",
+    "models.fraud.label == 1.0",
+    "risk_score > 0.5 ? 1 : 0.0",
+    "risk_score > 0.5 ? 'a' : 0.0",
+    "models.fraud.score ? 1.0 : 0.0",
     "2 * risk_score > 1.0",
     "1 + 2 > 2",
     "has(models.fraud.score)",
@@ -61,7 +77,9 @@ NOT_COMPILED = [
 
 def _cel(source: str, row: RowInputs) -> Any:
     variables: dict[str, Any] = {
-        "models": {n: {"score": row.scores[n], "fallback": row.fallbacks[n]} for n in MODELS},
+        "models": {
+            n: {"score": row.scores[n], "fallback": row.fallbacks[n], "label": row.labels[n]} for n in MODELS
+        },
         "features": dict(row.features),
         "risk_score": row.risk_score,
     }
@@ -84,6 +102,7 @@ def _rows(count: int, seed: int) -> list[RowInputs]:
                 fallbacks={n: bool(rng.random() < 0.3) for n in MODELS},
                 features={"amount": float(rng.uniform(0, 2000)), "hour": float(rng.integers(0, 24))},
                 risk_score=value(),
+                labels={n: str(rng.choice(LABELS)) for n in MODELS},
             )
         )
     return out
@@ -96,6 +115,7 @@ def _batch(rows: list[RowInputs]) -> BatchInputs:
         fallbacks={n: np.array([r.fallbacks[n] for r in rows]) for n in MODELS},
         features={f: np.array([r.features[f] for r in rows]) for f in FEATURES},
         risk_score=np.array([r.risk_score for r in rows]),
+        labels={n: [r.labels[n] for r in rows] for n in MODELS},
     )
 
 
@@ -166,6 +186,7 @@ def _results(spec: PipelineSpec, count: int, seed: int) -> dict[str, list[ModelR
                 name=name,
                 version="v",
                 score=float(rng.choice(special)) if rng.random() < 0.1 else float(rng.random()),
+                label=str(rng.choice(LABELS)),
                 fallback=bool(rng.random() < 0.1),
                 fallback_reason="TIMEOUT",
             )
@@ -187,10 +208,15 @@ FEATURE_RULES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("decision", [None, FEATURE_RULES])
+@pytest.mark.parametrize(
+    ("pipeline", "decision"), [("tabular_only", None), ("tabular_only", FEATURE_RULES), ("card_fraud", None)]
+)
 @pytest.mark.parametrize("count", [1, 5, 300])
-def test_engine_decides_batches_and_rows_exactly_as_cel(decision: dict[str, Any] | None, count: int) -> None:
-    spec = _spec("tabular_only", decision)
+def test_engine_decides_batches_and_rows_exactly_as_cel(
+    pipeline: str, decision: dict[str, Any] | None, count: int
+) -> None:
+    """``card_fraud`` reads the intent model's label (``in``, ``==``) and a conditional: compiled too."""
+    spec = _spec(pipeline, decision)
     engine = spec.decision_engine()
     assert engine.compiled
     rows, _ = rules._samples(spec, count)
@@ -208,7 +234,16 @@ def test_engine_decides_batches_and_rows_exactly_as_cel(decision: dict[str, Any]
 
 
 def test_pipelines_beyond_the_subset_decide_in_cel() -> None:
-    assert not _spec("card_fraud").decision_engine().compiled  # labels, `in`, the ternary
+    beyond = copy.deepcopy(FEATURE_RULES)
+    beyond["rules"][0]["when"] = "features.merchant_category == 'crypto' && risk_score > 0.2"
+    spec = _spec("card_fraud", beyond)
+    engine = spec.decision_engine()
+    assert not engine.compiled  # a categorical feature is not compiled
+    rows, _ = rules._samples(spec, 50)
+    per_model = _results(spec, 50, seed=3)
+    decided = engine.decide_batch(rows, per_model)
+    in_cel = [engine._decide_cel(r, {n: v[i] for n, v in per_model.items()}) for i, r in enumerate(rows)]
+    assert decided == in_cel
 
 
 def test_fault_injected_wrong_program_is_caught_by_the_load_check() -> None:
