@@ -17,17 +17,7 @@ import pytest
 from riskserve.platform import metrics
 from riskserve.platform.metrics import DECISION_LATENCY, MODEL_BATCH_ROWS, MetricSpec
 
-
-class CountingRecorder:
-    """Ray's native recorder of one gauge, wrapped to keep every ``(value, tags)`` it is given."""
-
-    def __init__(self, native: Any) -> None:
-        self.native = native
-        self.calls: list[tuple[float, dict[str, str]]] = []
-
-    def record(self, value: float, tags: dict[str, str]) -> None:
-        self.calls.append((value, dict(tags)))
-        self.native.record(value, tags=tags)
+from .metric_recorders import CountingRecorder
 
 
 def _watched(registry: Any, spec: MetricSpec) -> dict[str, CountingRecorder]:

@@ -8,22 +8,10 @@ addition is a wrapper that counts the calls reaching Ray's own recorder and pass
 
 from __future__ import annotations
 
-from typing import Any
-
 from riskserve.platform import metrics
 from riskserve.platform.metrics import MODEL_IN_FLIGHT, ModelMetrics
 
-
-class CountingRecorder:
-    """Ray's native recorder of one gauge, wrapped to keep every ``(value, tags)`` it is given."""
-
-    def __init__(self, native: Any) -> None:
-        self.native = native
-        self.calls: list[tuple[float, dict[str, str]]] = []
-
-    def record(self, value: float, tags: dict[str, str]) -> None:
-        self.calls.append((value, dict(tags)))
-        self.native.record(value, tags=tags)
+from .metric_recorders import CountingRecorder
 
 
 def _mine(recorder: CountingRecorder, model: str) -> list[float]:
