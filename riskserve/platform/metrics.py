@@ -652,23 +652,26 @@ class _Registry:
                 for key, total in sums.items():
                     counts[key] = counts.get(key, 0.0) + total
                 metrics = {name: self._metric(specs[name]) for name, _ in sums}
+                if latest:
+                    self._start_refresher()
                 for (name, tags), (spec, value) in latest.items():  # set in order with the refresher
                     self._counts[(name, tags)] = self._gauges[(name, tags)] = value
-                    self._start_refresher()
                     try:
                         self._metric(spec).set(value, tags=dict(tags))
                     except Exception:
-                        if not self._flush_failed:
-                            self._flush_failed = True
-                            logger.exception("riskserve metrics: handing records to Ray failed")
+                        self._flush_failure()
             try:
                 for (name, tags), total in sums.items():
                     metrics[name].inc(total, tags=dict(tags))
                 self._export_histograms(everything=False)
             except Exception:
-                if not self._flush_failed:
-                    self._flush_failed = True
-                    logger.exception("riskserve metrics: handing records to Ray failed")
+                self._flush_failure()
+
+    def _flush_failure(self) -> None:
+        """Log the first failure to hand records to Ray (with its traceback), then stay quiet."""
+        if not self._flush_failed:
+            self._flush_failed = True
+            logger.exception("riskserve metrics: handing records to Ray failed")
 
     def _export_histograms(self, everything: bool) -> None:
         """Set the gauges of every histogram series that changed (``everything``: of every series, every

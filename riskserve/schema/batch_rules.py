@@ -29,6 +29,7 @@ from typing import Any, Literal
 import numpy as np
 
 __all__ = [
+    "STRING_LITERAL",
     "BatchInputs",
     "CompiledExpression",
     "NotCompilable",
@@ -38,8 +39,7 @@ __all__ = [
 ]
 
 _Array = np.ndarray[Any, np.dtype[Any]]
-_Type = Literal["double", "int", "bool", "string", "list"]
-"""Static types; ``list`` is a list of string literals, only ever the right side of ``in``."""
+_Type = Literal["double", "int", "bool", "string"]
 
 
 class NotCompilable(Exception):
@@ -98,11 +98,13 @@ class CompiledExpression:
     evaluate_row: _Scalar
 
 
+STRING_LITERAL = re.compile(r"'[^'\\\n]*'|\"[^\"\\\n]*\"")
+"""A CEL string literal without escapes (the only strings compiled here)."""
 _TOKEN = re.compile(
     r"\s*(?:"
     r"(?P<number>(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?[uU]?)"
     r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)"
-    r"|(?P<string>'[^'\\\n]*'|\"[^\"\\\n]*\")"
+    rf"|(?P<string>{STRING_LITERAL.pattern})"
     r"|(?P<op>&&|\|\||<=|>=|==|!=|[-+*/%<>!().,?:\[\]{}\"'])"
     r")"
 )
@@ -229,7 +231,7 @@ class _Parser:
         token = self._peek()
         if token == "in":
             self._take()
-            left = _membership(left, self._additive())
+            left = _membership(left, self._strings())
             if self._peek() in _COMPARE or self._peek() == "in":
                 raise NotCompilable("chained comparison")
             return left
@@ -290,8 +292,6 @@ class _Parser:
             return _literal(token)
         if token[0] in "'\"":
             return _constant("string", token[1:-1])
-        if token == "[":
-            return self._strings()
         if token in ("true", "false"):
             return _constant("bool", token == "true")
         if token in ("max", "min") and self._peek() == "(":
@@ -335,8 +335,9 @@ class _Parser:
             )
         raise NotCompilable(f"models.{name}.{field} is not compiled")
 
-    def _strings(self) -> _Node:
-        """A list literal of strings (``[`` taken), for the right side of ``in``."""
+    def _strings(self) -> frozenset[str]:
+        """A list literal of strings, the right side of ``in`` (nothing else is compiled there)."""
+        self._take("[")
         values: list[str] = []
         while True:
             token = self._take()
@@ -348,8 +349,7 @@ class _Parser:
                 break
             if separator != ",":
                 raise NotCompilable(f"expected ',' or ']', found {separator!r}")
-        members = frozenset(values)
-        return _Node("list", lambda batch: _Value(np.empty(0), None), lambda row: members)
+        return frozenset(values)
 
     def _extreme(self, function: str) -> _Node:
         self._take("(")
@@ -390,11 +390,10 @@ def _constant(kind: _Type, value: float | bool | str) -> _Node:
     return _Node(kind, lambda batch: _Value(np.full(batch.rows, value, dtype=dtype), None), lambda row: value)
 
 
-def _membership(left: _Node, right: _Node) -> _Node:
-    """``label in ['a', 'b']``: a string among string literals (nothing else is compiled)."""
-    if left.type != "string" or right.type != "list":
-        raise NotCompilable(f"'in' between {left.type} and {right.type}")
-    members = right.scalar(RowInputs({}, {}, {}))
+def _membership(left: _Node, members: frozenset[str]) -> _Node:
+    """``label in ['a', 'b']``: a string among string literals."""
+    if left.type != "string":
+        raise NotCompilable(f"'in' of a {left.type}")
     values = left.vector
     value_row = left.scalar
 
@@ -410,7 +409,7 @@ def _choice(condition: _Node, when_true: _Node, when_false: _Node) -> _Node:
     the branch it takes is."""
     if condition.type != "bool":
         raise NotCompilable("a condition that is not a bool")
-    if when_true.type != when_false.type or when_true.type == "list":
+    if when_true.type != when_false.type:
         raise NotCompilable(f"branches of types {when_true.type} and {when_false.type}")
     test, first, second = condition.vector, when_true.vector, when_false.vector
     test_row, first_row, second_row = condition.scalar, when_true.scalar, when_false.scalar

@@ -24,6 +24,7 @@ from riskserve.platform.errors import ConfigError
 from riskserve.platform.outcome import SEVERITY, Outcome
 from riskserve.schema.base import NAME, Strict
 from riskserve.schema.batch_rules import (
+    STRING_LITERAL,
     BatchInputs,
     CompiledExpression,
     NotCompilable,
@@ -158,7 +159,6 @@ class Decision:
 _MODEL_FIELDS = ("score", "label", "fallback", "version")
 _IDENTIFIER = re.compile(r"(?<![\w.])(models|features|text)\b")
 _MODEL_PATH = re.compile(r"models\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
-_STRING = re.compile(r"'[^'\\\n]*'|\"[^\"\\\n]*\"")
 _FEATURE_PATH = re.compile(r"features\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -485,7 +485,7 @@ def _samples(spec: RuleScope, count: int) -> tuple[list[ValidRow], dict[str, lis
         rows.append(ValidRow(numeric=numeric, categorical=categorical, text="sample"))
     # Labels: every string the expressions name, none at all, and one they do not name.
     expressions = [spec.decision.risk_score, *(rule.when for rule in spec.decision.rules)]
-    labels = sorted({"", "sample"} | {m[1:-1] for e in expressions for m in _STRING.findall(e)})
+    labels = sorted({"", "sample"} | {m[1:-1] for e in expressions for m in STRING_LITERAL.findall(e)})
     per_model = {
         name: [
             ModelResult(
