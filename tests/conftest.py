@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.pg_server import PostgresServer, postgres_server
 
 os.environ.setdefault("RISKSERVE_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
 
@@ -37,3 +41,27 @@ def demo_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
             build_demo_models(out / "models", seed=0, progress=False)
             (out / ".complete").touch()
     return out / "models"
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One real PostgreSQL server for the whole session (each test takes a database of its own)."""
+    with postgres_server() as server:
+        yield server
+
+
+_databases = itertools.count()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def state_dsn(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty state database on each backend: a SQLite file, or a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'state.sqlite'}"
+    server: PostgresServer = request.getfixturevalue("postgres")
+    name = f"t{os.getpid()}_{next(_databases)}"
+    import psycopg
+
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return server.dsn.rsplit("/", 1)[0] + f"/{name}"

@@ -17,7 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "riskserve"
 
-BELOW_SERVING = frozenset({"audit", "learning", "schema", "features", "wrappers", "platform", "proto"})
+BELOW_SERVING = frozenset(
+    {"state", "audit", "learning", "schema", "features", "wrappers", "platform", "proto"}
+)
 
 ALLOWED: dict[str, frozenset[str]] = {
     # the ground floor: imports nothing of riskserve above it
@@ -30,9 +32,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "schema": frozenset({"features", "wrappers", "platform"}),
     # online learning as a library: the feedback log (labels joined to the audit trail), the learner,
     # label admission
-    "learning": frozenset({"audit", "schema", "features", "wrappers", "platform"}),
+    "learning": frozenset({"state", "audit", "schema", "features", "wrappers", "platform"}),
     # the decision audit trail as a library: its store, journal, writer, reader, export
-    "audit": frozenset({"platform"}),
+    "audit": frozenset({"state", "platform"}),
+    # what must survive a node: the state database (SQLite or PostgreSQL) and the versions record
+    "state": frozenset({"platform"}),
     # what happens to one decision
     "serving": BELOW_SERVING - {"serving"},
     # a program calling the gRPC service
