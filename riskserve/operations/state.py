@@ -3,14 +3,13 @@ record of what each model serves (``models/``). One module, imported by everythi
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from riskserve.platform.artifacts import default_cache_dir
+from riskserve.platform.artifacts import default_state_dir
 
 __all__ = ["state_dir"]
 
 
 def state_dir() -> Path:
     """The install's state directory (``RISKSERVE_STATE_DIR``, default ``<cache>/local``)."""
-    return Path(os.environ.get("RISKSERVE_STATE_DIR") or default_cache_dir() / "local")
+    return default_state_dir()

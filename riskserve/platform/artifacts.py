@@ -35,6 +35,7 @@ __all__ = [
     "FileEntry",
     "content_version",
     "default_cache_dir",
+    "default_state_dir",
     "load_public_key",
     "open_artifact",
     "sha256_bytes",
@@ -87,6 +88,12 @@ class ArtifactManifest(_Schema):
 def default_cache_dir() -> Path:
     """Cache of derived files (compiled libraries): ``$RISKSERVE_CACHE_DIR`` or ``~/.cache/riskserve``."""
     return Path(os.environ.get("RISKSERVE_CACHE_DIR") or Path.home() / ".cache" / "riskserve")
+
+
+def default_state_dir() -> Path:
+    """The install's operating state (local deployment record, locks, the embedded state database):
+    ``$RISKSERVE_STATE_DIR`` or ``<cache>/local``."""
+    return Path(os.environ.get("RISKSERVE_STATE_DIR") or default_cache_dir() / "local")
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -14,6 +15,7 @@ import yaml
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
 
 from riskserve.features.spec import FeatureSpec
+from riskserve.platform.artifacts import default_state_dir
 from riskserve.platform.breaker import BreakerSettings
 from riskserve.platform.errors import ConfigError
 from riskserve.platform.outcome import Outcome
@@ -195,6 +197,22 @@ class AuditSpec(_Strict):
     (``riskserve_audit_records_total{outcome="dropped"}``) and logged."""
     purge_rows: int = Field(default=500, ge=1, le=100_000)
     """Rows deleted per retention transaction."""
+
+
+class StateSpec(_Strict):
+    """Where what must survive a node lives: the versions record, the feedback log, the audit trail and
+    learner checkpoints in one database, and learned model versions in one artifact store."""
+
+    dsn: str | None = None
+    """``postgresql://USER@HOST[:PORT]/DB`` for a cluster, or ``sqlite:///ABSOLUTE/PATH``. Default:
+    ``$RISKSERVE_STATE_DSN``, else an embedded SQLite file in the install's state directory (one machine).
+    Put a password in ``dsn_file`` or the environment, not here."""
+    dsn_file: Path | None = None
+    """A file holding the DSN (a mounted secret), read by every process that opens the store."""
+    artifacts: str | None = None
+    """Where learned versions are written: a directory every node mounts or an ``fsspec`` URI
+    (``s3://bucket/prefix``). Default: ``$RISKSERVE_ARTIFACT_STORE``, else each online model's
+    ``artifact_dir`` (one machine)."""
 
 
 class BatchingSpec(_Strict):
@@ -526,6 +544,8 @@ class PipelineSpec(_Strict):
     """The only directory ``riskserve swap`` takes candidates from (symlinks resolved); a model's own
     YAML artifact and its learned versions are always accepted. Default: the directory that holds the
     model's YAML artifact (``models/`` for ``models/fraud``). A relative path is relative to the YAML."""
+    state: StateSpec = Field(default_factory=StateSpec)
+    """Where the pipeline's durable state lives (one machine by default; PostgreSQL for a cluster)."""
     audit: AuditSpec | None = None
     """The decision audit trail (``riskserve audit show/export``); absent: decisions are not kept."""
     reasons: ReasonsSpec | None = None
@@ -569,6 +589,23 @@ class PipelineSpec(_Strict):
         if self.audit is None:
             raise ConfigError(f"pipeline '{self.name}' has no audit section")
         return self._relative(self.audit.path)
+
+    def state_dsn(self) -> str:
+        """The state database's DSN: the YAML's (``dsn``, or read from ``dsn_file``), else
+        ``$RISKSERVE_STATE_DSN``, else a SQLite file in the install's state directory."""
+        state = self.state
+        if state.dsn is not None:
+            return state.dsn
+        if state.dsn_file is not None:
+            path = self._relative(state.dsn_file)
+            try:
+                return path.read_text().strip()
+            except OSError as error:
+                raise ConfigError(f"state.dsn_file: cannot read {path}: {error}") from error
+        from_env = os.environ.get("RISKSERVE_STATE_DSN")
+        if from_env:
+            return from_env
+        return f"sqlite:///{default_state_dir() / 'state' / self.name}.sqlite"
 
     def learned_dir(self, model: str) -> Path:
         """Absolute directory of a model's learned versions."""
@@ -649,6 +686,11 @@ class PipelineSpec(_Strict):
                 data["models"][name]["online"]["artifact_dir"] = str(self.learned_dir(name))
         if self.audit is not None:
             data["audit"]["path"] = str(self.audit_dir())
+        if self.state.dsn_file is not None:  # every process reads the secret itself
+            data["state"]["dsn_file"] = str(self._relative(self.state.dsn_file))
+        else:  # resolved once, by the deployer, so every replica opens the same store
+            data["state"]["dsn"] = self.state_dsn()
+        data["state"]["artifacts"] = self.state.artifacts or os.environ.get("RISKSERVE_ARTIFACT_STORE")
         if self.tracing.file_path is not None:
             data["tracing"]["file_path"] = str(self._relative(self.tracing.file_path))
         if self.models_root is not None:
