@@ -4,8 +4,9 @@ The ``ingress`` serves riskserve's own gRPC front door and holds the feature sta
 ``ingress``; each model placed ``deployment`` (the LLM) is a deployment of its own that the ingress calls
 through a handle, and ``features`` a deployment only with ``serving.feature_stage: deployment``. Each
 deployment is placed on its pool through a Ray custom resource, so the same application runs on one
-machine or a KubeRay cluster. Models' artifacts travel as ``user_config`` (the ingress's for models in it),
-so a swap or a learner's publish reconfigures replicas in place.
+machine or a KubeRay cluster. What each model serves is not in the application at all: every replica pulls
+it from the pipeline's versions record (:mod:`riskserve.serving.version_watch`), so the application, and
+the Serve config it comes from, stay the same through every swap and learned version.
 """
 
 # No `from __future__ import annotations` here: Serve inspects build_app's annotation at run time.
@@ -23,7 +24,6 @@ from ray.serve import Application
 
 from riskserve.features.stage import FeatureStage
 from riskserve.operations.learning_service import FeedbackService
-from riskserve.operations.served import records_dir, served_artifacts
 from riskserve.schema.deployments import FEATURES, FEEDBACK, INGRESS, deployment_names
 from riskserve.schema.endpoints import with_endpoint
 from riskserve.schema.pipeline import PipelineSpec, StageSpec, load_pipeline
@@ -52,9 +52,6 @@ class AppArgs(_Schema):
     """The pipeline YAML file."""
     grpc_port: int | None = None
     """The gRPC port of the pipeline's front door (default: the YAML's ``serving.grpc.port``)."""
-    artifacts: dict[str, str] = {}
-    """Model -> artifact directory to serve instead of the YAML's (``riskserve export serve-config``
-    writes the served record's here, so a declarative deployment serves the swapped or learned versions)."""
 
 
 @functools.cache
@@ -120,24 +117,13 @@ def _stage(
     )
 
 
-def build_application(
-    spec: PipelineSpec,
-    *,
-    draining: bool = False,
-    artifacts: dict[str, str] | None = None,
-    shadows: dict[str, dict[str, Any]] | None = None,
-) -> Application:
-    """The Serve application of a validated pipeline.
+def build_application(spec: PipelineSpec, *, draining: bool = False) -> Application:
+    """The Serve application of a validated pipeline (the same for every version its models serve).
 
-    Each model serves what the pipeline's served record says (:mod:`riskserve.operations.served`: the
-    last swap, rollback or learned version), else its YAML artifact. ``draining=True`` deploys the same
-    application with the ingress draining (health NOT_SERVING); ``artifacts`` overrides model artifacts
-    (a publish, or a Serve config's ``args.artifacts``); ``shadows`` are candidates the ingress scores beside
-    its models (``riskserve shadow``). They travel as Serve ``user_config``, which Serve
-    applies to every running replica in place (``reconfigure``) without restarting anything.
+    ``draining=True`` deploys it with the ingress draining (health NOT_SERVING, before a shutdown): the
+    ingress's only ``user_config``, applied in place.
     """
     check_pools(spec)  # also refused by `riskserve up`, across all the pipelines it starts together
-    artifacts = {**served_artifacts(spec), **(artifacts or {})}
     data = spec.resolved()
     names = deployment_names(spec)
     # test-only backend kinds registered in this process travel to the replicas that serve them
@@ -170,23 +156,18 @@ def build_application(
             health_check_timeout_s=model.health_check_timeout,
             graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         )
-        artifact = artifacts.get(name) or data["models"][name]["artifact"]
         columns, declared = spec.runner_columns(name)
-        args = (name, model.kind, spec.runner_settings(name), columns, declared, data["tracing"], batching)
+        settings = {**spec.runner_settings(name), "artifact": data["models"][name]["artifact"]}
+        args = (name, model.kind, settings, columns, declared, data["tracing"], batching)
         lane = {"lane": {"ongoing": max_ongoing, "queued": model.max_queued_requests}}
         lane = lane if spec.serving.model_lanes else {}
-        versioned = _versioned(deployment, _version(names[name], args, lane))
-        models[name] = versioned.options(user_config={"artifact": str(artifact)}).bind(*args, **lane, **extra)
+        record = {"pipeline": spec.name, "state": data["state"]}
+        versioned = _versioned(deployment, _version(names[name], args, lane, record))
+        models[name] = versioned.bind(*args, **lane, **record, **extra)
     feedback = None
     if spec.feedback is not None:
         feedback_stage = _stage(FeedbackService, names[FEEDBACK], spec, spec.feedback.stage, data)
-        # The service publishes by rebuilding this app, and keeps the served record where the deployer does.
-        feedback = feedback_stage.bind(data, build_application, records=str(records_dir()), **extra)
-    in_ingress = {
-        name: str(artifacts.get(name) or data["models"][name]["artifact"])
-        for name, model in spec.models.items()
-        if model.in_ingress
-    }
+        feedback = feedback_stage.bind(data, **extra)
     shared_loop = spec.serving.ingress.event_loop == "shared"
     ingress_deployment = _stage(
         PipelineIngress,
@@ -198,9 +179,9 @@ def build_application(
         env_vars=SHARED_LOOP_ENV if shared_loop else None,
         health_check_timeout_s=spec.ingress_health_check_timeout(),
     )
-    ingress: Application = ingress_deployment.options(
-        user_config={"draining": draining, "artifacts": in_ingress, "shadows": shadows or {}}
-    ).bind(data, features, models, feedback, **extra)
+    ingress: Application = ingress_deployment.options(user_config={"draining": draining}).bind(
+        data, features, models, feedback, **extra
+    )
     return ingress
 
 
@@ -208,4 +189,4 @@ def build_app(args: dict[str, Any]) -> Application:
     """Serve config entry point (``riskserve.operations.app:build_app`` with ``args: {pipeline: PATH}``)."""
     parsed = AppArgs.model_validate(args)
     spec = with_endpoint(load_pipeline(parsed.pipeline), port=parsed.grpc_port)
-    return build_application(spec, artifacts=parsed.artifacts or None)
+    return build_application(spec)

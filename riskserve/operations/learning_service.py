@@ -7,10 +7,12 @@ journal of decisions). It admits labels (:class:`~riskserve.learning.admission.L
 limits per source and for all sources, one label per decision, then a durable commit before the
 answer), and a background thread
 runs each online model's :class:`~riskserve.learning.learner.OnlineLearner` and publishes every new
-version to **all** replicas of the model at once, through the model deployment's Serve ``user_config``
-(the same path as a hot swap). The cursor in the log names the version that should serve; whenever the
-model serves another one (a restart of Ray redeployed the YAML artifact, a crash fell between the commit
-and the publish), the service publishes the cursor's version again.
+version by writing it into the pipeline's versions record (:mod:`riskserve.operations.publish`), which
+every replica pulls: nothing is redeployed. With an artifact store (``state.artifacts``) each learned
+version is copied there first, so replicas on every node can fetch it. The cursor in the log names the
+version that should serve; when the record names another one, the service publishes the cursor's again (a
+crash fell between the commit and the publish), unless ``riskserve up --reset`` forgot the record since:
+then the learner adopts the YAML's artifact, which serves.
 
 It is also the pipeline's ONE publisher: learner batches, reconciliation and hot swaps
 (:meth:`FeedbackService.swap`) all publish under one lock, a swap is a compare-and-set on the version it
@@ -26,21 +28,22 @@ import os
 import threading
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from riskserve.learning.admission import LabelAdmission
 from riskserve.learning.feedback_log import FeedbackLog
 from riskserve.learning.learner import BatchReport, OnlineLearner, load_version
 from riskserve.learning.rate_limit import SourceRateLimiter
-from riskserve.operations.publish import AppBuilder, publish_checked
-from riskserve.operations.served import Source
+from riskserve.operations.publish import publish_version
+from riskserve.operations.served import base_of
+from riskserve.platform.artifact_store import ArtifactStore, fetch_verified
+from riskserve.platform.artifacts import open_artifact
 from riskserve.platform.errors import ConfigError, Conflict, ModelUnavailable
 from riskserve.platform.metrics import LearningMetrics
-from riskserve.platform.runner import ModelStatus
 from riskserve.platform.secret import install_secret, secret_path
-from riskserve.schema.deployments import INGRESS
 from riskserve.schema.pipeline import PipelineSpec
+from riskserve.state.db import open_database
+from riskserve.state.versions import Source, VersionsStore
 from riskserve.wrappers import BackendEntry, register_backend
 
 __all__ = ["FeedbackService"]
@@ -58,21 +61,15 @@ ERROR_BACKOFF_S = 2.0
 class FeedbackService:
     """Serve deployment: ``record_feedback``, ``status``; learns in a thread."""
 
-    def __init__(
-        self,
-        spec: dict[str, Any],
-        build: AppBuilder,
-        registered: dict[str, BackendEntry] | None = None,
-        records: str | None = None,
-    ) -> None:
-        """``build``: the builder of the application this service is part of, to publish new versions;
-        ``registered``: test-only backend kinds the builder's process registered (see ``wrappers``);
-        ``records``: the directory of the install's served records (the deployer's, not this worker's)."""
+    def __init__(self, spec: dict[str, Any], registered: dict[str, BackendEntry] | None = None) -> None:
+        """``registered``: test-only backend kinds the builder's process registered (see ``wrappers``)."""
         for kind, entry in (registered or {}).items():
             register_backend(kind, *entry)
         self._spec = PipelineSpec.model_validate(spec)
-        self._build = build
-        self._records = Path(records) if records else None
+        self._versions = VersionsStore(open_database(self._spec.state_dsn()))
+        root = self._spec.state.artifacts
+        self._artifacts = ArtifactStore(root) if root else None
+        self._yaml_versions: dict[str, str] = {}
         feedback = self._spec.feedback
         if feedback is None:
             raise ConfigError(f"pipeline '{self._spec.name}' has no feedback section")
@@ -90,7 +87,6 @@ class FeedbackService:
         self._metrics = LearningMetrics(self._spec.name)
         self._admission = LabelAdmission(self._log, limiter, self._metrics)
         key = install_secret(secret_path(path))
-        self._ingress: Any = None
         self._learners: dict[str, OnlineLearner] = {}
         for name in self._spec.online_models():
             online = self._spec.models[name].online
@@ -173,28 +169,20 @@ class FeedbackService:
     def _swap(self, model: str, artifact: str, version: str, expected: str, source: Source) -> None:
         with self._cycle_lock:
             self._check_open(version)
-            served = self._served(model)
-            if str(served.version) != expected:
+            _, serving, _ = self._serving(model)
+            if serving != expected:
                 raise Conflict(
-                    f"'{model}' serves {served.version}, not {expected} the candidate was verified against: "
+                    f"'{model}' serves {serving}, not {expected} the candidate was verified against: "
                     "another publish came first; run the swap again"
                 )
             learner = self._learners.get(model)
             if learner is not None:
-                load_version(artifact)  # learnable (a golden set) before anything is published
-            publish_checked(
-                self._spec,
-                model,
-                artifact,
-                version,
-                served.artifact,
-                build=self._build,
-                source=source,
-                previous_version=str(served.version),
-                records=self._records,
+                load_version(self._local(artifact))  # learnable (a golden set) before anything is published
+            publish_version(
+                self._spec, self._versions, model, artifact, version, source=source, expected=expected
             )
             if learner is not None:
-                learner.adopt(artifact)
+                learner.adopt(self._local(artifact))
                 self._drift_of[model] = 0.0
             self._published[model] = version
 
@@ -309,48 +297,64 @@ class FeedbackService:
         known = cursor.version is not None and cursor.artifact is not None
         if known and not due and self._published.get(name) == cursor.version:
             return
-        served = self._served(name)
+        artifact, version, reset = self._serving(name)
         self._probed[name] = time.monotonic()
-        if cursor.version is None or cursor.artifact is None:
-            learner.adopt(served.artifact)  # the first version seen is where learning starts
-            self._published[name] = str(served.version)
+        if cursor.version is None or cursor.artifact is None or reset:
+            if cursor.version != version:  # the first version seen, or the YAML's after a reset
+                learner.adopt(self._local(artifact))
+                self._drift_of[name] = 0.0
+            self._published[name] = version
             return
-        if served.version == cursor.version:
+        if version == cursor.version:
             self._published[name] = cursor.version
             return
-        logger.info("'%s' serves %s, the log says %s: publishing it", name, served.version, cursor.version)
+        logger.info("'%s' serves %s, the log says %s: publishing it", name, version, cursor.version)
         self._publish(name, cursor.version, cursor.artifact)
 
-    def _served(self, name: str) -> ModelStatus:
-        """What model ``name`` serves now, asked of the ingress (which knows where the model runs)."""
-        if self._ingress is None:
-            from ray import serve
+    def _serving(self, name: str) -> tuple[str, str, bool]:
+        """What the versions record says ``name`` serves: its artifact, its version, and whether that is the
+        YAML's because ``riskserve up --reset`` forgot every recorded version."""
+        base = base_of(self._spec, name)
+        record = self._versions.read(self._spec.name)
+        entry = record.serving(name, base)
+        if entry is not None:
+            return entry.artifact, entry.version, False
+        if name not in self._yaml_versions:
+            self._yaml_versions[name] = open_artifact(base, kind=self._spec.models[name].kind).version
+        return base, self._yaml_versions[name], record.reset_at > 0
 
-            self._ingress = serve.get_deployment_handle(INGRESS, app_name=self._spec.name)
-        status: ModelStatus = self._ingress.model_status.remote(name).result(timeout_s=30)
-        return status
+    def _local(self, artifact: str) -> str:
+        """A local directory for ``artifact`` (an artifact-store URI is fetched into the cache, verified)."""
+        if not ArtifactStore.is_remote(artifact):
+            return artifact
+        return str(fetch_verified(artifact, kind="sklearn"))
 
     def _check_open(self, version: str) -> None:
         if self._stop.is_set() or self._fenced:
             raise ModelUnavailable(f"the pipeline is shutting down; {version} not published")
 
     def _publish(self, name: str, version: str, artifact: str) -> None:
-        """Serve ``artifact`` on every replica of the model (a Serve ``user_config`` update), confirmed on
-        each; a replica that refuses puts the previous artifact back (the cursor still names ``version``,
-        so reconciliation tries again)."""
+        """Write ``artifact`` (copied to the artifact store first, when there is one) into the versions
+        record and wait for every replica of the model; a replica that refuses takes it out again (the cursor
+        still names ``version``, so reconciliation tries again)."""
         self._check_open(version)
-        previous = self._served(name)
         started = time.monotonic()
-        publish_checked(
+        if self._artifacts is not None:
+            artifact = self._artifacts.put(artifact, kind="sklearn")
+        _, previous, _ = self._serving(name)
+        report = self._last_report.get(name)
+        note = (
+            f"learned from {report.rows} labels" if report is not None and report.version == version else ""
+        )
+        publish_version(
             self._spec,
+            self._versions,
             name,
             artifact,
             version,
-            previous.artifact,
-            build=self._build,
             source="learned",
-            previous_version=str(previous.version),
-            records=self._records,
+            expected=previous,
+            note=note,
         )
         self._publish_seconds[name] = time.monotonic() - started
         self._publishes[name] = self._publishes.get(name, 0) + 1

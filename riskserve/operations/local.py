@@ -34,7 +34,7 @@ from riskserve.operations.ray_auth import (
     token_mode_env,
     use_token_mode,
 )
-from riskserve.operations.served import reset, served_artifacts
+from riskserve.operations.served import check_record, open_versions, reset
 from riskserve.operations.state import state_dir
 from riskserve.platform.errors import ConfigError, ModelUnavailable, NotFound
 from riskserve.schema.deployments import FEEDBACK
@@ -248,7 +248,7 @@ def deploy_to_cluster(
 
     if reset_served:
         for spec in specs:
-            reset(spec.name)
+            reset(spec)
     ray.init(address=address, log_to_driver=False)
     try:
         _check_pools_exist(specs)
@@ -289,8 +289,12 @@ def up_local(
         raise ConfigError("a local riskserve is already running: `riskserve down` first")
     for spec in specs:
         if reset_served:
-            reset(spec.name)
-        served_artifacts(spec)  # a recorded artifact that cannot serve fails here, naming --reset
+            reset(spec)
+        store = open_versions(spec)
+        try:
+            check_record(spec, store)  # a recorded artifact that cannot serve fails here, naming --reset
+        finally:
+            store.db.close()
     directory = state_dir()
     token = install_token(directory)  # makes the directory 0700 too
     log_path = directory / "riskserve.log"

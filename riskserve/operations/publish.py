@@ -1,67 +1,74 @@
-"""Redeploy a running pipeline with some models' artifacts replaced, keeping every other one as it serves.
+"""Publish a model version (a swap, a rollback, a learned version) or a pipeline's shadows by writing the
+versions record, then wait until every live replica says it serves it. Nothing is redeployed: the replicas
+pull the record (:mod:`riskserve.serving.version_watch`), so the pipeline's Serve config never changes
+when a version does, and ``serve deploy``, a KubeRay RayService and riskserve agree on it.
 
-Swaps, rollbacks and the online learner all publish this way: the new artifacts travel as the model
-deployments' Serve ``user_config``, which Serve applies to every running replica in place (``reconfigure``);
-deployments whose configuration is unchanged are not touched. The artifacts of the other models are read
-from their replicas just before the deploy. That read-then-deploy is only safe when publishes of a pipeline
-never overlap, so there is ONE publisher at a time: in a pipeline with a feedback service, every publish
-(learner batches, reconciliation, swaps, the fence before a shutdown) runs under that service's lock;
-without one, only ``riskserve swap`` publishes, under a per-pipeline file lock.
+The write is a compare-and-set on the record's generation and, for a swap, on the version the candidate
+was verified against (``expected``): two publishers can never undo each other. A replica that refuses the
+version (its checks failed on that node) keeps serving the previous one and reports why; the publish then
+takes its entry out of the record again, so every replica returns to the previous version, and raises.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
-from riskserve.operations.served import Source, record_served
-from riskserve.platform.errors import RiskServeError
+from riskserve.operations.served import base_of
+from riskserve.platform.errors import Conflict, ModelLoadError, ModelUnavailable, NotFound
 from riskserve.platform.runner import ModelStatus
 from riskserve.schema.deployments import INGRESS
 from riskserve.schema.pipeline import PipelineSpec
+from riskserve.serving.version_watch import HEARTBEAT_S
+from riskserve.state.versions import (
+    HISTORY,
+    ModelVersions,
+    ReplicaReport,
+    Source,
+    VersionEntry,
+    VersionsRecord,
+    VersionsStore,
+)
 
 __all__ = [
-    "EVERY_REPLICA_TIMEOUT_S",
-    "AppBuilder",
+    "CONFIRM_TIMEOUT_S",
+    "LIVE_S",
+    "Published",
     "application_status",
     "every_replica",
-    "live_artifacts",
     "model_status",
-    "publish_artifacts",
-    "publish_checked",
+    "publish_shadows",
+    "publish_version",
+    "replica_version",
+    "wait_for_replicas",
 ]
 
-EVERY_REPLICA_TIMEOUT_S = 30.0
-"""How long :func:`every_replica` asks before it gives up on a replica that never answers."""
+CONFIRM_TIMEOUT_S = 30.0
+"""How long a publish waits for every live replica to confirm before it says which did not."""
+LIVE_S = 3 * HEARTBEAT_S
+"""A replica that reported within this many seconds counts as live (a dead one ages out)."""
+_WAIT_S = 0.02
 
 
-class AppBuilder(Protocol):
-    """Builds the pipeline's whole Serve application (:func:`riskserve.operations.app.build_application`).
+@dataclass(frozen=True)
+class Published:
+    """What a publish did: the record's new generation, and which live replicas confirmed it."""
 
-    Handed to every publisher rather than imported: the application contains the feedback service, which
-    publishes, so the builder is passed in by whoever deploys (and to the service by the builder itself).
-    """
-
-    def __call__(
-        self,
-        spec: PipelineSpec,
-        *,
-        draining: bool = False,
-        artifacts: dict[str, str] | None = None,
-        shadows: dict[str, dict[str, Any]] | None = None,
-    ) -> Any: ...
-
-
-def _ingress(spec: PipelineSpec) -> Any:
-    from ray import serve
-
-    return serve.get_deployment_handle(INGRESS, app_name=spec.name)
+    generation: int
+    confirmed: list[str]
+    unconfirmed: list[str] = field(default_factory=list)
+    """Live replicas that had not applied it when the wait ended (they apply it when they can)."""
+    seconds: float = 0.0
+    """From the write to the last confirmation."""
 
 
 def model_status(spec: PipelineSpec, model: str) -> ModelStatus:
     """What ``model`` serves now, asked of the ingress (which knows where the model runs)."""
-    status: ModelStatus = _ingress(spec).model_status.remote(model).result(timeout_s=30)
+    from ray import serve
+
+    ingress = serve.get_deployment_handle(INGRESS, app_name=spec.name)
+    status: ModelStatus = ingress.model_status.remote(model).result(timeout_s=30)
     return status
 
 
@@ -75,46 +82,8 @@ def application_status(name: str) -> str:
     return str(getattr(app.status, "value", app.status))
 
 
-def live_artifacts(spec: PipelineSpec) -> dict[str, str]:
-    """The artifact each model of the running pipeline serves now (asked of one replica each)."""
-    ingress = _ingress(spec)
-    calls = {name: ingress.model_status.remote(name) for name in spec.models}
-    return {name: str(call.result(timeout_s=30).artifact) for name, call in calls.items()}
-
-
-def publish_artifacts(
-    spec: PipelineSpec,
-    overrides: dict[str, str],
-    *,
-    build: AppBuilder,
-    shadows: dict[str, dict[str, Any]] | None = None,
-) -> None:
-    """Serve ``overrides`` (model -> artifact directory) and keep the other models' current artifacts,
-    the ingress's draining state and its shadows (``shadows`` replaces them when given).
-
-    Blocks until Serve reports the application running again (every replica reconfigured).
-
-    Raises:
-        ModelUnavailable: the pipeline is not running (being deleted, say); nothing was deployed.
-    """
-    from ray import serve
-
-    from riskserve.platform.errors import ModelUnavailable
-
-    artifacts = {**live_artifacts(spec), **overrides}
-    draining = bool(_ingress(spec).draining.remote().result())
-    if shadows is None:
-        shadows = dict(_ingress(spec).shadow_config.remote().result(timeout_s=30))
-    app = build(spec, artifacts=artifacts, draining=draining, shadows=shadows)
-    # Checked last, just before the deploy: a redeploy of a pipeline being deleted would bring it back.
-    status = application_status(spec.name)
-    if status not in ("RUNNING", "DEPLOYING"):
-        raise ModelUnavailable(f"pipeline '{spec.name}' is {status}; nothing published")
-    serve.run(app, name=spec.name, route_prefix=None)
-
-
 def every_replica(
-    spec: PipelineSpec, model: str, *, timeout_s: float = EVERY_REPLICA_TIMEOUT_S
+    spec: PipelineSpec, model: str, *, timeout_s: float = CONFIRM_TIMEOUT_S
 ) -> list[ModelStatus]:
     """What EVERY replica of ``model`` serves (one status per replica actor), not a sample.
 
@@ -124,8 +93,6 @@ def every_replica(
     Raises:
         ModelUnavailable: not every replica answered within ``timeout_s``.
     """
-    from riskserve.platform.errors import ModelUnavailable
-
     model_spec = spec.models[model]
     replicas = spec.serving.ingress.replicas if model_spec.in_ingress else model_spec.replicas
     seen: dict[str, ModelStatus] = {}
@@ -138,54 +105,152 @@ def every_replica(
     return list(seen.values())
 
 
-def publish_checked(
+def replica_version(store: VersionsStore, pipeline: str, model: str) -> str | None:
+    """The version every live replica of ``model`` reports serving (``None``: none, or they disagree)."""
+    versions = {
+        r.serving.get(model) for r in store.replicas(pipeline, seen_within_s=LIVE_S) if model in r.models
+    }
+    return versions.pop() if len(versions) == 1 else None
+
+
+def _with_entry(
+    record: VersionsRecord, model: str, base: str, entry: VersionEntry, expected: str | None
+) -> VersionsRecord:
+    new = record.model_copy(deep=True)
+    served = new.models.get(model)
+    if served is None or served.base != base:
+        served = ModelVersions(base=base)
+    if not served.entries and expected is not None:  # what served before: the YAML's, for a rollback
+        served.entries.append(VersionEntry(artifact=base, version=expected, source="yaml", at=entry.at))
+    served.entries = [*served.entries, entry][-HISTORY:]
+    new.models[model] = served
+    return new
+
+
+def publish_version(
     spec: PipelineSpec,
+    store: VersionsStore,
     model: str,
     artifact: str,
     version: str,
-    previous: str,
     *,
-    build: AppBuilder,
     source: Source,
-    previous_version: str | None = None,
-    records: Path | None = None,
-) -> None:
-    """Publish ``artifact`` (holding ``version``) for ``model``, confirm it on every replica, then record
-    it in the pipeline's served record (:mod:`riskserve.operations.served`, ``source`` says why it serves;
-    ``records``: the records directory, default this process's).
-    If a replica does not serve it, or the record cannot be written, ``previous`` is published back before
-    raising, so a failed publish never takes effect and the record always names what serves.
-
-    The caller holds the pipeline's publish lock (see the module docstring).
+    expected: str | None = None,
+    note: str = "",
+    timeout_s: float = CONFIRM_TIMEOUT_S,
+) -> Published:
+    """Make ``artifact`` (holding ``version``) what ``model`` serves, and wait for every live replica.
 
     Raises:
-        ModelLoadError: a replica refused the new version (or never answered), or the record could not be
-            written; ``previous`` serves again.
+        NotFound: no such model.
+        Conflict: ``model`` no longer serves ``expected`` (another publish came first): verify again.
+        ModelLoadError: a replica refused it; its entry was taken out again, the previous version serves.
     """
-    from riskserve.platform.errors import ModelLoadError, ModelUnavailable
-
-    publish_artifacts(spec, {model: artifact}, build=build)
-    try:
-        stale = [s for s in every_replica(spec, model) if s.version != version]
-    except ModelUnavailable as error:
-        publish_artifacts(spec, {model: previous}, build=build)
-        raise ModelLoadError(f"{version} not confirmed on every replica ({error}); rolled back") from error
-    if stale:
-        publish_artifacts(spec, {model: previous}, build=build)
+    if model not in spec.models:
+        raise NotFound(f"pipeline '{spec.name}' has no model '{model}'")
+    base = base_of(spec, model)
+    entry = VersionEntry(artifact=artifact, version=version, source=source, at=time.time(), note=note)
+    while True:
+        record = store.read(spec.name)
+        current = record.serving(model, base)
+        serving = current.version if current is not None else replica_version(store, spec.name, model)
+        if expected is not None and serving is not None and serving != expected:
+            raise Conflict(
+                f"'{model}' serves {serving}, not {expected} the candidate was verified against: another "
+                "publish came first; run it again"
+            )
+        try:
+            stored = store.compare_and_set(
+                _with_entry(record, model, base, entry, expected), record.generation
+            )
+            break
+        except Conflict:
+            continue  # another model or the shadows changed: read again (this model's change is checked)
+    started = time.monotonic()
+    confirmed, refused, unconfirmed = wait_for_replicas(
+        store, spec.name, stored.generation, model=model, version=version, timeout_s=timeout_s
+    )
+    if refused:
+        _take_out(store, spec.name, model, entry)
+        replica, error = next(iter(refused.items()))
         raise ModelLoadError(
-            f"{len(stale)} replica(s) refused {version} ({stale[0].last_swap_error}); rolled back"
+            f"{len(refused)} replica(s) refused {version} ({replica}: {error}); the previous version serves"
         )
-    try:
-        record_served(
-            spec,
-            model,
-            artifact,
-            version,
-            source=source,
-            previous=previous,
-            previous_version=previous_version,
-            directory=records,
-        )
-    except (OSError, RiskServeError) as error:
-        publish_artifacts(spec, {model: previous}, build=build)
-        raise ModelLoadError(f"{version} served but not recorded ({error}); rolled back") from error
+    return Published(stored.generation, confirmed, unconfirmed, time.monotonic() - started)
+
+
+def _take_out(store: VersionsStore, pipeline: str, model: str, entry: VersionEntry) -> None:
+    """Remove ``entry`` from ``model``'s history (a refused publish), whatever was written since."""
+    while True:
+        record = store.read(pipeline)
+        served = record.models.get(model)
+        if served is None or entry not in served.entries:
+            return
+        new = record.model_copy(deep=True)
+        new.models[model].entries = [e for e in served.entries if e != entry]
+        try:
+            store.compare_and_set(new, record.generation)
+            return
+        except Conflict:
+            continue
+
+
+def publish_shadows(
+    spec: PipelineSpec,
+    store: VersionsStore,
+    shadows: dict[str, dict[str, Any]],
+    *,
+    timeout_s: float = CONFIRM_TIMEOUT_S,
+) -> Published:
+    """Make ``shadows`` the pipeline's shadow candidates and wait until every live replica applied them."""
+    while True:
+        record = store.read(spec.name)
+        new = record.model_copy(update={"shadows": dict(shadows)})
+        try:
+            stored = store.compare_and_set(new, record.generation)
+            break
+        except Conflict:
+            continue
+    started = time.monotonic()
+    confirmed, _, unconfirmed = wait_for_replicas(store, spec.name, stored.generation, timeout_s=timeout_s)
+    return Published(stored.generation, confirmed, unconfirmed, time.monotonic() - started)
+
+
+def wait_for_replicas(
+    store: VersionsStore,
+    pipeline: str,
+    generation: int,
+    *,
+    model: str | None = None,
+    version: str | None = None,
+    timeout_s: float = CONFIRM_TIMEOUT_S,
+) -> tuple[list[str], dict[str, str], list[str]]:
+    """Wait until every live replica (running ``model``, when given) applied ``generation``.
+
+    Returns the replicas that confirmed, those that refused (serving another version than ``version``:
+    replica -> its error) and those that had not applied it when ``timeout_s`` ran out.
+
+    Raises:
+        ModelUnavailable: no live replica of the pipeline (or of ``model``) at all.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        live = [
+            r for r in store.replicas(pipeline, seen_within_s=LIVE_S) if model is None or model in r.models
+        ]
+        if not live:
+            what = f"'{model}' of '{pipeline}'" if model else f"'{pipeline}'"
+            raise ModelUnavailable(f"no live replica of {what} reports to the versions record")
+        applied = [r for r in live if r.generation >= generation]
+        confirmed = [r.replica for r in applied if _serves(r, model, version)]
+        refused = {
+            r.replica: r.error or "serves another version" for r in applied if not _serves(r, model, version)
+        }
+        pending = [r.replica for r in live if r.generation < generation]
+        if not pending or time.monotonic() > deadline:
+            return confirmed, refused, pending
+        time.sleep(_WAIT_S)
+
+
+def _serves(report: ReplicaReport, model: str | None, version: str | None) -> bool:
+    return model is None or version is None or report.serving.get(model) == version

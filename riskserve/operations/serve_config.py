@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from riskserve.operations.served import served_artifacts
 from riskserve.schema.endpoints import assign_endpoints
 from riskserve.schema.pipeline import load_pipeline
 
@@ -17,14 +16,14 @@ def serve_config(paths: Sequence[Path], *, grpc_port: int | None = None) -> dict
     """The Serve config (validated against Ray's ``ServeDeploySchema``) that runs these pipelines.
 
     Each application is ``riskserve.operations.app:build_app`` with the pipeline file as its argument, so the
-    cluster reads the same YAML; deployment names and options come from the YAML, not from this file. The
-    models this install's served record names (swapped, rolled back or learned versions, see
-    :mod:`riskserve.operations.served`) go in ``args.artifacts``, so the cluster serves them, not the YAML's.
+    cluster reads the same YAML; deployment names and options come from the YAML, not from this file. What
+    each model serves is not in it: the replicas pull that from the pipeline's versions record, so this
+    config is the same before and after any number of swaps and learned versions.
     Serve's proxies stay off: each pipeline's ingress serves gRPC on its own port (``grpc_port`` numbers
     them from that port, as ``riskserve up --grpc-port`` does).
 
     Raises:
-        ConfigError: two pipelines would share a port, or a recorded artifact is missing or changed.
+        ConfigError: two pipelines would share a port.
     """
     from ray.serve.schema import ServeDeploySchema
 
@@ -33,9 +32,6 @@ def serve_config(paths: Sequence[Path], *, grpc_port: int | None = None) -> dict
     applications = []
     for path, spec in zip(paths, specs, strict=True):
         args: dict[str, Any] = {"pipeline": str(Path(path).resolve()), "grpc_port": spec.serving.grpc.port}
-        served = served_artifacts(spec)
-        if served:
-            args["artifacts"] = served
         applications.append(
             {
                 "name": spec.name,

@@ -1,6 +1,6 @@
 """Operating shadows: start one beside a model, read its figures, promote it (a verified hot swap), stop it.
 
-A shadow is published to every ingress replica as the ingress's Serve ``user_config`` (the same path a
+A shadow is published to every ingress replica through the pipeline's versions record (the same path a
 swap takes), so nothing restarts; the candidate is verified first with the swap's checks (checksums, the
 backend's load checks, same columns and labels, golden rows). Only models placed in the ingress can be
 shadowed. See :mod:`riskserve.serving.shadow` for what a shadow does on the request path (nothing).
@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from riskserve.operations.local import LocalState, connected, read_state
-from riskserve.operations.publish import publish_artifacts
-from riskserve.operations.swap import SwapResult, admit_candidate, build_application, exclusive, swap
+from riskserve.operations.publish import publish_shadows
+from riskserve.operations.served import open_versions
+from riskserve.operations.swap import SwapResult, admit_candidate, exclusive, swap
 from riskserve.platform.errors import InvalidInput, ModelLoadError, NotFound, RiskServeError
 from riskserve.platform.runner import CandidateReport
 from riskserve.schema.deployments import INGRESS
@@ -42,7 +43,20 @@ def _local(pipeline: str, state: LocalState | None) -> tuple[LocalState, Pipelin
 
 
 def _config(spec: PipelineSpec) -> dict[str, dict[str, Any]]:
-    return dict(_ingress(spec).shadow_config.remote().result(timeout_s=30))
+    """The shadows the versions record names."""
+    store = open_versions(spec)
+    try:
+        return dict(store.read(spec.name).shadows)
+    finally:
+        store.db.close()
+
+
+def _publish(spec: PipelineSpec, shadows: dict[str, dict[str, Any]]) -> None:
+    store = open_versions(spec)
+    try:
+        publish_shadows(spec, store, shadows)
+    finally:
+        store.db.close()
 
 
 def _figures(spec: PipelineSpec, *, timeout_s: float = 30.0) -> list[ShadowFigures]:
@@ -97,17 +111,10 @@ def shadow(spec: PipelineSpec, model: str, artifact: Path | str, sample: float) 
             if isinstance(cause, RiskServeError):
                 raise ModelLoadError(f"candidate refused: {cause}") from error
             raise
-        publish_artifacts(
-            spec, {}, build=build_application, shadows={**_config(spec), model: settings.model_dump()}
-        )
+        _publish(spec, {**_config(spec), model: settings.model_dump()})
         refused = [f.error for f in _figures(spec) if f.model == model and f.error]
         if refused:
-            publish_artifacts(
-                spec,
-                {},
-                build=build_application,
-                shadows={m: s for m, s in _config(spec).items() if m != model},
-            )
+            _publish(spec, {m: s for m, s in _config(spec).items() if m != model})
             raise ModelLoadError(f"the ingress refused the shadow: {refused[0]}")
     return report
 
@@ -122,9 +129,7 @@ def stop(spec: PipelineSpec, model: str) -> None:
         config = _config(spec)
         if model not in config:
             raise NotFound(f"{spec.name}/{model} has no shadow")
-        publish_artifacts(
-            spec, {}, build=build_application, shadows={m: s for m, s in config.items() if m != model}
-        )
+        _publish(spec, {m: s for m, s in config.items() if m != model})
 
 
 def promote(spec: PipelineSpec, model: str) -> SwapResult:

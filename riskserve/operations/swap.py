@@ -2,14 +2,14 @@
 
 ``swap_model`` verifies the candidate inside a replica of the model (checksums, the backend's load checks,
 same columns and labels, golden rows finite, in [0, 1], not constant and equal to the stored outputs),
-then redeploys the pipeline with the new artifact as the model's Serve ``user_config``: Serve calls
-``reconfigure`` on the running replicas, which flip to the candidate atomically; calls in flight finish on
-the old version. Only one swap of a pipeline runs at a time; a second one gets ``Conflict`` (ABORTED). In a
-pipeline with a feedback service the publish itself runs inside that service, under the same lock as the
-learner's publishes, as a compare-and-set on the version the candidate was verified against; the learner
-adopts the candidate only after every replica serves it, so a refused swap never takes effect later.
-Every confirmed publish is kept in the pipeline's served record (:mod:`riskserve.operations.served`),
-so ``rollback_model`` returns to the previous entry, and the swapped version survives ``down`` and ``up``.
+then writes it into the pipeline's versions record (:mod:`riskserve.operations.publish`): every replica
+pulls it and flips to the candidate atomically; calls in flight finish on the old version. Only one swap
+of a pipeline runs at a time; a second one gets ``Conflict`` (ABORTED). In a pipeline with a feedback
+service the publish runs inside that service, under the same lock as the learner's publishes, as a
+compare-and-set on the version the candidate was verified against; the learner adopts the candidate only
+after every replica serves it, so a refused swap never takes effect later. The record keeps every
+version's entry, so ``rollback_model`` returns to the previous one, and the swapped version survives
+``down`` and ``up`` and serves on every replica started later, on any node.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from riskserve.operations.local import LocalState, connected, read_state
-from riskserve.operations.publish import model_status, publish_checked
-from riskserve.operations.served import Source, after_rollback, record_rollback
+from riskserve.operations.publish import model_status, publish_version
+from riskserve.operations.served import open_versions, record_rollback
 from riskserve.operations.state import state_dir
 from riskserve.platform.errors import Conflict, InvalidInput, ModelLoadError, NotFound, RiskServeError
 from riskserve.schema.deployments import FEEDBACK, INGRESS
 from riskserve.schema.pipeline import PipelineSpec
+from riskserve.state.versions import Source
 
 __all__ = [
     "SwapResult",
     "admit_candidate",
-    "build_application",
     "exclusive",
     "learning_status",
     "rollback",
@@ -121,10 +121,14 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str, *, source: Source
             the candidate was verified.
         ModelLoadError: the candidate failed a check, or a replica refused it; the old version serves.
     """
+    path = str(admit_candidate(spec, model, artifact))
+    return _swap_verified(spec, model, path, source)
+
+
+def _swap_verified(spec: PipelineSpec, model: str, path: str, source: Source) -> SwapResult:
     from ray import serve
 
     pipeline = spec.name
-    path = str(admit_candidate(spec, model, artifact))
     with exclusive(pipeline):
         ingress = serve.get_deployment_handle(INGRESS, app_name=pipeline)
         serving = model_status(spec, model)
@@ -143,29 +147,17 @@ def swap(spec: PipelineSpec, model: str, artifact: Path | str, *, source: Source
         )
 
 
-def build_application(spec: PipelineSpec, **options: Any) -> Any:
-    """:func:`riskserve.operations.app.build_application`, imported when first called: the operator commands
-    import Ray only after :func:`~riskserve.operations.local.connected` has set its loopback address."""
-    from riskserve.operations.app import build_application as build
-
-    return build(spec, **options)
-
-
 def _publish(
     spec: PipelineSpec, model: str, artifact: str, version: str, expected: str, old: str, source: Source
 ) -> None:
-    """Publish a verified candidate through the pipeline's one publisher (see the module docstring)."""
-    if spec.feedback is None:  # no learner: this process is the only publisher, under exclusive()
-        publish_checked(
-            spec,
-            model,
-            artifact,
-            version,
-            old,
-            build=build_application,
-            source=source,
-            previous_version=expected,
-        )
+    """Publish a verified candidate: with a learner, through the feedback service (it adopts the candidate
+    for later labels once every replica serves it); else from here, under :func:`exclusive`."""
+    if spec.feedback is None:
+        store = open_versions(spec)
+        try:
+            publish_version(spec, store, model, artifact, version, source=source, expected=expected)
+        finally:
+            store.db.close()
         return
     from ray import serve
 
@@ -186,10 +178,38 @@ def rollback(spec: PipelineSpec, model: str) -> SwapResult:
     Raises:
         NotFound: the model has no earlier entry.
     """
-    target = record_rollback(spec, model)
-    result = swap(spec, model, target.artifact, source="rollback")
-    after_rollback(spec, model)
+    store = open_versions(spec)
+    try:
+        target = record_rollback(spec, store, model)
+    finally:
+        store.db.close()
+    result = _swap_verified(spec, model, target.artifact, "rollback")
+    _drop_rolled_back(spec, model)
     return result
+
+
+def _drop_rolled_back(spec: PipelineSpec, model: str) -> None:
+    """Once a rollback to the entry before the last is confirmed (recorded as the newest entry), drop the
+    version rolled back from and that duplicate, so the next rollback goes one further back."""
+    from riskserve.platform.errors import Conflict as _Conflict
+
+    store = open_versions(spec)
+    try:
+        while True:
+            record = store.read(spec.name)
+            served = record.models.get(model)
+            if served is None or len(served.entries) < 3:
+                return
+            *older, _target, _left, newest = served.entries  # [..., A, B, A again]: A serves, B is gone
+            new = record.model_copy(deep=True)
+            new.models[model].entries = [*older, newest]
+            try:
+                store.compare_and_set(new, record.generation)
+                return
+            except _Conflict:
+                continue
+    finally:
+        store.db.close()
 
 
 def _local(pipeline: str, state: LocalState | None) -> tuple[LocalState, PipelineSpec]:

@@ -158,8 +158,9 @@ class ModelRunner:
         loaded = self._loaded
         return loaded is not None and loaded.host.model.ready
 
-    async def serve(self, artifact: str) -> None:
-        """Serve ``artifact`` (Serve's ``user_config`` path: a deploy, a swap, a learner's publish).
+    async def serve(self, artifact: str, expected_version: str | None = None) -> None:
+        """Serve ``artifact`` (what the pipeline's versions record names: the YAML's, a swap, a learned
+        version), which must hold ``expected_version`` when given.
 
         The first load raises (there is nothing to serve). A later one that fails keeps the serving
         version and records why (:attr:`ModelStatus.last_swap_error`): a version is never half-applied.
@@ -167,10 +168,10 @@ class ModelRunner:
         if self._loaded is not None and self._loaded.artifact == artifact:
             return
         if self._loaded is None:
-            await self._activate(artifact)
+            await self._activate(artifact, expected_version)
             return
         try:
-            await self._activate(artifact)
+            await self._activate(artifact, expected_version)
         except RiskServeError as error:
             self._last_swap_error = str(error)
             logger.error("model '%s': swap to %s refused, still serving %s: %s", self.name, artifact,
@@ -184,7 +185,7 @@ class ModelRunner:
         golden = (
             None
             if self._declared is None
-            else await asyncio.to_thread(_golden_rows, artifact, self._artifact_kind)
+            else await asyncio.to_thread(_golden_rows, artifact, self.artifact_kind)
         )
         if golden is not None:  # warm up (thread pools, first-call costs) before any real request waits on it
             await host.predict(golden[0][:1], 1)
@@ -208,10 +209,15 @@ class ModelRunner:
             if old != new:
                 raise ModelLoadError(f"model '{self.name}': the candidate's {what} {new} differ from {old}")
 
-    async def _activate(self, artifact: str) -> None:
+    async def _activate(self, artifact: str, expected_version: str | None = None) -> None:
         async with self._swap_lock:
             loaded = await self._load(artifact)
             try:
+                version = loaded.host.model.version
+                if expected_version is not None and version != expected_version:
+                    raise ModelLoadError(
+                        f"model '{self.name}': {artifact} holds {version}, the record says {expected_version}"
+                    )
                 self._same_schema(loaded)
             except ModelLoadError:
                 await loaded.host.stop()
@@ -244,13 +250,13 @@ class ModelRunner:
         loaded = await self._load(artifact)
         try:
             self._same_schema(loaded)
-            rows = await _golden_check(loaded.host, artifact, self._artifact_kind)
+            rows = await _golden_check(loaded.host, artifact, self.artifact_kind)
             return CandidateReport(version=loaded.host.model.version, golden_rows=rows, artifact=artifact)
         finally:
             await loaded.host.stop()
 
     @property
-    def _artifact_kind(self) -> str:
+    def artifact_kind(self) -> str:
         """The kind written in the artifact's manifest (a wrapping backend serves another kind's)."""
         model_class, _ = self._backends(self.kind)
         return model_class.artifact_kind(self._settings)

@@ -214,6 +214,25 @@ class StateSpec(_Strict):
     (``s3://bucket/prefix``). Default: ``$RISKSERVE_ARTIFACT_STORE``, else each online model's
     ``artifact_dir`` (one machine)."""
 
+    def resolve_dsn(self, default_name: str = "riskserve") -> str:
+        """The DSN: ``dsn``, else the one in ``dsn_file``, else ``$RISKSERVE_STATE_DSN``, else a SQLite file
+        ``<state dir>/state/<default_name>.sqlite``.
+
+        Raises:
+            ConfigError: ``dsn_file`` cannot be read.
+        """
+        if self.dsn is not None:
+            return self.dsn
+        if self.dsn_file is not None:
+            try:
+                return self.dsn_file.read_text().strip()
+            except OSError as error:
+                raise ConfigError(f"state.dsn_file: cannot read {self.dsn_file}: {error}") from error
+        from_env = os.environ.get("RISKSERVE_STATE_DSN")
+        if from_env:
+            return from_env
+        return f"sqlite:///{default_state_dir() / 'state' / default_name}.sqlite"
+
 
 class BatchingSpec(_Strict):
     """Adaptive batching of a model in its own deployment (Serve's ``@serve.batch``): concurrent decisions'
@@ -591,21 +610,11 @@ class PipelineSpec(_Strict):
         return self._relative(self.audit.path)
 
     def state_dsn(self) -> str:
-        """The state database's DSN: the YAML's (``dsn``, or read from ``dsn_file``), else
-        ``$RISKSERVE_STATE_DSN``, else a SQLite file in the install's state directory."""
+        """The state database's DSN (:meth:`StateSpec.resolve_dsn`; ``dsn_file`` from the YAML's folder)."""
         state = self.state
-        if state.dsn is not None:
-            return state.dsn
-        if state.dsn_file is not None:
-            path = self._relative(state.dsn_file)
-            try:
-                return path.read_text().strip()
-            except OSError as error:
-                raise ConfigError(f"state.dsn_file: cannot read {path}: {error}") from error
-        from_env = os.environ.get("RISKSERVE_STATE_DSN")
-        if from_env:
-            return from_env
-        return f"sqlite:///{default_state_dir() / 'state' / self.name}.sqlite"
+        if state.dsn is None and state.dsn_file is not None:
+            state = state.model_copy(update={"dsn_file": self._relative(state.dsn_file)})
+        return state.resolve_dsn(default_name=self.name)
 
     def learned_dir(self, model: str) -> Path:
         """Absolute directory of a model's learned versions."""

@@ -37,6 +37,9 @@ from riskserve.serving.model_lane import Lanes, LaneUse
 from riskserve.serving.reasons import ReasonExplainer
 from riskserve.serving.shadow import ShadowFigures, Shadows
 from riskserve.serving.tokens import Caller
+from riskserve.serving.version_watch import VersionWatcher
+from riskserve.state.db import open_database
+from riskserve.state.versions import VersionsStore
 from riskserve.wrappers import BackendEntry, backend, register_backend
 
 __all__ = ["PipelineIngress"]
@@ -120,26 +123,24 @@ class PipelineIngress:
         )
         self._front_door = FrontDoor(self, serving.grpc, admission)
         self._refresher: asyncio.Task[None] | None = None
-        if not self._runners:  # nothing to load first: serve now (reconfigure may never come)
-            await self._open()
+        self._watcher = VersionWatcher(
+            VersionsStore(await asyncio.to_thread(open_database, self._spec.state_dsn())),
+            self.name,
+            self._runners,
+            {name: str(self._spec.artifact_path(name).resolve()) for name in self._runners},
+            public_key=lambda model: _public_key(self._spec, model),
+            shadows=self._shadows.configure,
+        )
+        await self._watcher.apply_now()  # serve what the versions record says before anything else
+        self._watcher.start()
+        await self._open()
 
     # -- Serve's hooks ---------------------------------------------------------------------------------
 
     async def reconfigure(self, config: dict[str, Any]) -> None:
-        """Serve's ``user_config`` hook, applied to every ingress replica in place (nothing restarts).
-
-        ``draining``: health reports NOT_SERVING (before a shutdown), so load balancers move away.
-        ``artifacts``: what each model placed in the ingress serves (deploy, hot swap, learner publish);
-        each flips atomically, calls in flight finish on the version they started with.
-        ``shadows``: candidates scoring a sample of live decisions beside a model (``riskserve shadow``).
-        """
+        """Serve's ``user_config`` hook: ``draining`` (before a shutdown) makes health report NOT_SERVING,
+        so load balancers move away. What the models serve is not here: the versions record says it."""
         self._draining = bool(config.get("draining", False))
-        artifacts: dict[str, str] = dict(config.get("artifacts") or {})
-        for name, runner in self._runners.items():
-            artifact = artifacts.get(name) or str(self._spec.artifact_path(name))
-            await runner.serve(artifact)
-        await self._shadows.configure(dict(config.get("shadows") or {}))
-        await self._open()
         await self._report_health()
 
     async def _open(self) -> None:
@@ -160,6 +161,7 @@ class PipelineIngress:
         """Serve awaits this at replica shutdown: drain the front door, then unload the models."""
         if self._refresher is not None:
             self._refresher.cancel()
+        await asyncio.shield(self._watcher.stop())
         await asyncio.shield(self._front_door.stop())
         await asyncio.shield(self._shadows.stop())
         for runner in self._runners.values():
@@ -282,8 +284,12 @@ class PipelineIngress:
         return f"{self._spec.serving.grpc.host}:{self._front_door.port}"
 
     def draining(self) -> bool:
-        """Whether this pipeline is draining (before a shutdown); a redeploy must keep it so."""
+        """Whether this pipeline is draining (before a shutdown)."""
         return self._draining
+
+    def record_generation(self) -> int:
+        """The versions record's generation this replica applied last."""
+        return self._watcher.generation
 
     async def model_status(self, name: str) -> ModelStatus:
         """What a model serves now, wherever it runs (a model in a deployment: one of its replicas)."""
@@ -343,10 +349,6 @@ class PipelineIngress:
                 uses[name] = LaneUse(lanes, endpoint.lane_calls, endpoint.handle_calls)
         return uses
 
-    def shadow_config(self) -> dict[str, dict[str, Any]]:
-        """The shadows this replica was asked to run (a redeploy must keep them)."""
-        return self._shadows.config()
-
     async def shadow_status(self) -> list[ShadowFigures]:
         """Every shadow's comparison figures in this replica."""
         statuses = {name: runner.status() for name, runner in self._runners.items()}
@@ -364,6 +366,12 @@ class PipelineIngress:
             return {**self._local_stage.stats(), "last_batch_id": self._sharer.last_batch_id}
         stats: dict[str, Any] = await self._features.stats.remote()
         return stats
+
+
+def _public_key(spec: PipelineSpec, model: str) -> bytes | None:
+    """The raw Ed25519 key ``model``'s artifacts must be signed with, if the pipeline signs them."""
+    key = spec.runner_settings(model).get("manifest_public_key")
+    return bytes.fromhex(key) if key else None
 
 
 class _Unimplemented(RiskServeError):

@@ -176,11 +176,6 @@ class LanedModelReplica(ModelReplica):
         if self._runner.ready:
             await self._announce()
 
-    async def reconfigure(self, config: dict[str, Any]) -> None:
-        await super().reconfigure(config)
-        if self._lane_key is None and self._runner.ready:
-            await self._announce()
-
     async def _announce(self) -> None:
         context = serve.get_replica_context()
         deployment = context.replica_id.deployment_id

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 from riskserve.platform.errors import ModelUnavailable
@@ -25,7 +26,11 @@ from riskserve.platform.tracing import (
     optional_span,
 )
 from riskserve.platform.validation import FeatureMatrix
+from riskserve.schema.pipeline import StateSpec
 from riskserve.serving.text_batching import batched_texts
+from riskserve.serving.version_watch import VersionWatcher
+from riskserve.state.db import open_database
+from riskserve.state.versions import VersionsStore
 from riskserve.wrappers import BackendEntry, backend, register_backend
 
 __all__ = ["InputInfo", "ModelReplica", "SharedMatrix"]
@@ -36,11 +41,12 @@ _INPUTS_KEPT = 256
 class ModelReplica:
     """Hosts one model of any backend in a Serve replica (the class Serve deploys, once per model).
 
-    The artifact comes through Serve's ``user_config`` (``{"artifact": PATH}``), so swapping it is a
-    ``reconfigure`` of the running replicas, never a restart (see :class:`ModelRunner`).
+    What it serves comes from the pipeline's versions record, which it watches
+    (:class:`~riskserve.serving.version_watch.VersionWatcher`): a swap flips the running replicas, never
+    restarts them (see :class:`ModelRunner`).
     """
 
-    # Serve awaits an async constructor, then calls reconfigure(user_config) before the replica is ready.
+    # Serve awaits an async constructor before the replica is ready: it loads what the record says first.
     async def __init__(  # type: ignore[misc]
         self,
         name: str,
@@ -51,11 +57,16 @@ class ModelReplica:
         tracing: dict[str, Any] | None = None,
         batching: dict[str, Any] | None = None,
         registered: dict[str, BackendEntry] | None = None,
+        *,
+        pipeline: str = "",
+        state: dict[str, Any] | None = None,
     ) -> None:
         """``columns``: the shared matrix's; ``declared``: what the pipeline says the model reads;
         ``batching``: a dumped ``BatchingSpec``, to batch concurrent text calls
         (:mod:`riskserve.serving.text_batching`); ``registered``: test-only backend kinds the builder's
-        process registered (see :mod:`riskserve.wrappers`)."""
+        process registered (see :mod:`riskserve.wrappers`); ``pipeline`` and ``state`` (the resolved
+        ``state`` section): the versions record this replica pulls what it serves from
+        (``settings["artifact"]``, the YAML's, serves without one)."""
         for kind, entry in (registered or {}).items():
             register_backend(kind, *entry)
         self._tracing = configure_tracing(TracingSettings.model_validate(tracing or {}))
@@ -67,14 +78,23 @@ class ModelReplica:
         self._texts_batched = (
             batched_texts(self._runner.predict_texts, batching) if batching is not None else None
         )
-        if "artifact" in settings:  # deployed without a user_config: load now
-            await self._runner.serve(str(settings["artifact"]))
-
-    async def reconfigure(self, config: dict[str, Any]) -> None:
-        """Serve's ``user_config`` hook: serve ``config["artifact"]`` (see :meth:`ModelRunner.serve`)."""
-        artifact = config.get("artifact")
-        if artifact is not None:
-            await self._runner.serve(str(artifact))
+        yaml_artifact = str(Path(settings["artifact"]).resolve())
+        self._watcher: VersionWatcher | None = None
+        if state is not None:
+            key = settings.get("manifest_public_key")
+            self._watcher = VersionWatcher(
+                VersionsStore(
+                    await asyncio.to_thread(open_database, StateSpec.model_validate(state).resolve_dsn())
+                ),
+                pipeline,
+                {name: self._runner},
+                {name: yaml_artifact},
+                public_key=lambda model: bytes.fromhex(key) if key else None,
+            )
+            await self._watcher.apply_now()  # what the record says, before the replica is ready
+            self._watcher.start()
+        else:  # a replica outside a pipeline (benchmarks, tests): the artifact it was given
+            await self._runner.serve(yaml_artifact)
 
     async def verify_candidate(self, artifact: str) -> CandidateReport:
         """Load ``artifact`` beside the serving version and check it, without serving it."""
@@ -143,5 +163,7 @@ class ModelReplica:
 
     async def __del__(self) -> None:
         """Serve awaits this at replica shutdown: unload the model (vLLM frees its engine)."""
+        if self._watcher is not None:
+            await asyncio.shield(self._watcher.stop())
         await asyncio.shield(self._runner.stop())
         await asyncio.to_thread(self._tracing.release)

@@ -100,9 +100,9 @@ class Database:
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
 
-    def transaction(self) -> contextlib.AbstractContextManager[Tx]:
-        """A write (or consistent read) transaction, committed durably on a clean exit, rolled back on an
-        exception.
+    def transaction(self, *, write: bool = True) -> contextlib.AbstractContextManager[Tx]:
+        """A transaction, committed durably on a clean exit, rolled back on an exception. ``write=False``:
+        a read that takes no write lock (what a replica's poll of the versions record uses).
 
         Raises:
             StoreUnavailable: the database cannot be reached (nothing was written).
@@ -192,11 +192,11 @@ class SqliteDatabase(Database):
         return db
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[Tx]:
+    def transaction(self, *, write: bool = True) -> Iterator[Tx]:
         db = self._connection()
         cur = db.cursor()
         try:
-            cur.execute("BEGIN IMMEDIATE")
+            cur.execute("BEGIN IMMEDIATE" if write else "BEGIN")
         except sqlite3.OperationalError as error:
             raise StoreUnavailable(f"{self.path}: {error}") from error
         try:
@@ -271,7 +271,7 @@ class PostgresDatabase(Database):
             return self._pool
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[Tx]:
+    def transaction(self, *, write: bool = True) -> Iterator[Tx]:
         import psycopg
         from psycopg_pool import PoolTimeout
 

@@ -107,6 +107,9 @@ class VersionsRecord(_Schema):
     models: dict[str, ModelVersions] = Field(default_factory=dict)
     shadows: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Model -> the shadow candidate's settings (``riskserve shadow``), scored beside it by the ingress."""
+    reset_at: float = 0.0
+    """When ``riskserve up --reset`` last forgot every version (0: never): a learner whose model has no
+    entry since then adopts the YAML's artifact instead of publishing its own last version again."""
 
     def serving(self, model: str, base: str) -> VersionEntry | None:
         """The recorded entry ``model`` serves when the YAML names ``base``, else ``None`` (the YAML's)."""
@@ -141,7 +144,7 @@ class VersionsStore:
 
     def generation(self, pipeline: str) -> int:
         """The record's generation (one indexed read: what a replica polls)."""
-        with self.db.transaction() as tx:
+        with self.db.transaction(write=False) as tx:
             row = tx.one("SELECT generation FROM versions WHERE pipeline = ?", (pipeline,))
         return 0 if row is None else int(row[0])
 
@@ -151,7 +154,7 @@ class VersionsStore:
         Raises:
             ConfigError: the stored record is not one riskserve wrote.
         """
-        with self.db.transaction() as tx:
+        with self.db.transaction(write=False) as tx:
             row = tx.one("SELECT generation, record FROM versions WHERE pipeline = ?", (pipeline,))
         if row is None:
             return VersionsRecord(pipeline=pipeline)
@@ -203,7 +206,9 @@ class VersionsStore:
                 return 0
             forgotten = sum(1 for served in record.models.values() if served.entries)
             try:
-                self.compare_and_set(VersionsRecord(pipeline=pipeline), record.generation)
+                self.compare_and_set(
+                    VersionsRecord(pipeline=pipeline, reset_at=time.time()), record.generation
+                )
             except Conflict:
                 continue
             return forgotten
@@ -238,7 +243,7 @@ class VersionsStore:
     def replicas(self, pipeline: str, *, seen_within_s: float) -> list[ReplicaReport]:
         """The replicas that reported within the last ``seen_within_s`` seconds (the live ones)."""
         since = time.time() - seen_within_s
-        with self.db.transaction() as tx:
+        with self.db.transaction(write=False) as tx:
             rows = tx.query(
                 "SELECT replica, node, models, generation, serving, error, seen_at FROM replicas "
                 "WHERE pipeline = ? AND seen_at >= ? ORDER BY replica",
