@@ -46,8 +46,9 @@ __all__ = [
 
 CONFIRM_TIMEOUT_S = 30.0
 """How long a publish waits for every live replica to confirm before it says which did not."""
-LIVE_S = 3 * HEARTBEAT_S
-"""A replica that reported within this many seconds counts as live (a dead one ages out)."""
+LIVE_S = 10 * HEARTBEAT_S
+"""A replica that reported within this many seconds counts as live: a dead one ages out (a replica that
+stops takes itself off at once), a busy one (loading an LLM engine beside the serving one) stays."""
 _WAIT_S = 0.02
 
 
@@ -231,7 +232,7 @@ def wait_for_replicas(
     replica -> its error) and those that had not applied it when ``timeout_s`` ran out.
 
     Raises:
-        ModelUnavailable: no live replica of the pipeline (or of ``model``) at all.
+        ModelUnavailable: no live replica of the pipeline (or of ``model``) reported within ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
     while True:
@@ -239,8 +240,11 @@ def wait_for_replicas(
             r for r in store.replicas(pipeline, seen_within_s=LIVE_S) if model is None or model in r.models
         ]
         if not live:
+            if time.monotonic() <= deadline:
+                time.sleep(_WAIT_S * 10)
+                continue
             what = f"'{model}' of '{pipeline}'" if model else f"'{pipeline}'"
-            raise ModelUnavailable(f"no live replica of {what} reports to the versions record")
+            raise ModelUnavailable(f"no live replica of {what} reported to the versions record")
         applied = [r for r in live if r.generation >= generation]
         confirmed = [r.replica for r in applied if _serves(r, model, version)]
         refused = {

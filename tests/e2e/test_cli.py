@@ -224,19 +224,18 @@ def _fraud_version(port: int) -> str:
     return next(m.version for m in response.models if m.model == "fraud")
 
 
-def _export_artifacts(tabular_yaml: Path, env: dict[str, str]) -> dict[str, str] | None:
+def _exported(tabular_yaml: Path, env: dict[str, str]) -> str:
     result = _riskserve("export", "serve-config", str(tabular_yaml), env=env)
     assert result.returncode == 0, result.stderr
-    (app,) = yaml.safe_load(result.stdout)["applications"]
-    artifacts: dict[str, str] | None = app["args"].get("artifacts")
-    return artifacts
+    return result.stdout
 
 
 def test_a_swap_survives_down_and_up_is_exported_and_up_reset_serves_the_yaml(
     running: int, cli_env: dict[str, str], tabular_yaml: Path, demo_models: Path
 ) -> None:
-    """The served record: what a swap made serve is what `up` serves after `down` and what `export
-    serve-config` names; `up --reset` serves the YAML's artifacts again. Leaves tabular_only running."""
+    """The versions record: what a swap made serve is what `up` serves after `down`; `export serve-config`
+    is the same before and after (the replicas pull versions, the config names none); `up --reset` serves
+    the YAML's artifacts again. Leaves tabular_only running."""
     from riskserve.demo.build import build_demo_models
     from riskserve.platform.artifacts import open_artifact
 
@@ -246,17 +245,18 @@ def test_a_swap_survives_down_and_up_is_exported_and_up_reset_serves_the_yaml(
     original = open_artifact(demo_models / "fraud", kind="sklearn").version
     assert swapped != original
     assert _fraud_version(running) == original
+    before = _exported(tabular_yaml, cli_env)
     result = _riskserve("swap", "tabular_only", "fraud", str(candidate), env=cli_env)
     assert result.returncode == 0, result.stderr
     assert _fraud_version(running) == swapped
-    assert _export_artifacts(tabular_yaml, cli_env) == {"fraud": str(candidate)}
+    assert _exported(tabular_yaml, cli_env) == before
     for reset, expected in (([], swapped), (["--reset"], original)):
         down = _riskserve("down", env=cli_env)
         assert down.returncode == 0, down.stderr
         up = _riskserve("up", str(tabular_yaml), "--grpc-port", str(running), *reset, env=cli_env)
         assert up.returncode == 0, up.stderr + up.stdout
         assert _fraud_version(running) == expected, reset
-    assert _export_artifacts(tabular_yaml, cli_env) is None  # the record is gone: the YAML's serve
+    assert _exported(tabular_yaml, cli_env) == before
 
 
 @pytest.mark.parametrize(
@@ -331,19 +331,14 @@ def test_export_serve_config_is_a_valid_serve_config_that_builds_the_app(cli_env
     intent = models["intent"]._bound_deployment
     assert intent.name == "model-intent"
     assert intent.ray_actor_options == {"num_cpus": 1.0, "resources": {"riskserve_pool_llm": 1000.0}}
-    # The ingress takes its own 0.25 CPU plus credit's and fraud's, and carries their artifacts.
+    # The ingress takes its own 0.25 CPU plus credit's and fraud's; their versions come from the record.
     # Its decisions run on Serve's own event loop of the replica (serving.ingress.event_loop: shared).
     assert ingress.ray_actor_options == {
         "num_cpus": 0.75,
         "resources": {"riskserve_pool_cpu": 750.0},
         "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
     }
-    models_dir = (PIPELINES / "../../models").resolve()
-    assert ingress.user_config == {
-        "draining": False,
-        "artifacts": {"credit": str(models_dir / "credit"), "fraud": str(models_dir / "fraud")},
-        "shadows": {},  # no candidate runs beside a model until `riskserve shadow` starts one
-    }
+    assert ingress.user_config == {"draining": False}  # no artifact, no shadow: the record says those
 
 
 def _environ(pid: int) -> dict[str, str]:

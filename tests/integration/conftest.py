@@ -146,6 +146,8 @@ def pipeline_on(yaml_name: str, models: Path, **overrides: Any) -> PipelineSpec:
         data["feedback"]["log_path"] = str(Path(tempfile.mkdtemp(prefix="feedback-")) / "log.sqlite")
     if "audit" in data:  # the same for the audit trail
         data["audit"]["path"] = tempfile.mkdtemp(prefix="audit-")
+    # and its own state store (versions record, ...): a version one test published never serves in another
+    data["state"] = {"dsn": f"sqlite:///{tempfile.mkdtemp(prefix='state-')}/state.sqlite"}
     # One ingress replica unless a test asks for more: one process keeps what a test says about "the
     # replica" exact and the session's small Ray enough (the default of two is drilled where it matters).
     data["serving"].setdefault("ingress", {}).setdefault("replicas", 1)
@@ -213,13 +215,5 @@ def _delete_apps_after_module(request: pytest.FixtureRequest) -> Iterator[None]:
         deadline = time.monotonic() + 120
         while remaining and time.monotonic() < deadline:
             time.sleep(0.05)
-            applications = serve.status().applications
-            for name in list(remaining):
-                app = applications.get(name)
-                if app is None:
-                    remaining.discard(name)
-                elif str(getattr(app.status, "value", app.status)) != "DELETING":
-                    # An online learner's publish already on its way when the delete began deploys the
-                    # app again (Serve has no deploy-if-exists): ask again; its labels run out.
-                    serve.delete(name, _blocking=False)
+            remaining &= set(serve.status().applications)  # nothing redeploys itself: no second delete
         assert not remaining, f"applications not deleted after 120 s: {sorted(remaining)}"

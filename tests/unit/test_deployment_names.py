@@ -71,15 +71,14 @@ def test_the_ingress_runs_on_serves_own_event_loop_unless_the_yaml_asks_for_a_se
     assert separate[INGRESS].version != shared[INGRESS].version  # a change of loop restarts the replicas
 
 
-def test_an_llm_placed_in_the_ingress_gets_no_deployment_and_is_served_through_the_ingress_config() -> None:
+def test_an_llm_placed_in_the_ingress_gets_no_deployment_and_no_artifact_in_the_config() -> None:
     data = yaml.safe_load((PIPELINES / "card_fraud.yaml").read_text())
     data["models"]["intent"].update(placement="ingress", pool="cpu", num_cpus=0.5)
     spec = parse_pipeline(data, base_dir=PIPELINES)
     built = _deployments(build_application(spec))
     assert set(built) == set(deployment_names(spec).values()) == {INGRESS, FEEDBACK}
     ingress = built[INGRESS]
-    assert set(ingress.user_config["artifacts"]) == {"intent", "credit", "fraud"}  # swapped in place
-    assert ingress.user_config["artifacts"]["intent"] == str(spec.artifact_path("intent"))
+    assert ingress.user_config == {"draining": False}  # versions come from the record, not the config
     # the ingress's CPUs carry the engine: its own 0.25, the tabular models' 2 x 0.25, the LLM's 0.5
     assert ingress.ray_actor_options["num_cpus"] == pytest.approx(1.25)
     assert ingress._deployment_config.health_check_timeout_s == 10.0
