@@ -55,7 +55,7 @@ def test_registered_it_loads_serves_its_inner_kind_and_travels_to_the_replicas(t
             "fault_injection": ("tests.fault_injection", "FaultInjectingModel", "FaultInjectionSettings")
         }
         runner = ModelRunner("fraud", fraud.kind, fraud.settings, None, backends=backend)
-        assert runner._artifact_kind == "sklearn"  # its manifest and golden rows are the sklearn model's
+        assert runner.artifact_kind == "sklearn"  # its manifest and golden rows are the sklearn model's
     with pytest.raises(ConfigError, match="unknown model kind"):
         load_pipeline(_write(tmp_path))  # removed again after the test
 
