@@ -175,7 +175,8 @@ def publish_version(
         _take_out(store, spec.name, model, entry)
         replica, error = next(iter(refused.items()))
         raise ModelLoadError(
-            f"{len(refused)} replica(s) refused {version} ({replica}: {error}); the previous version serves"
+            f"{len(refused)} replica(s) refused {version} ({replica}: {error}); rolled back: the previous "
+            "version serves"
         )
     return Published(stored.generation, confirmed, unconfirmed, time.monotonic() - started)
 
