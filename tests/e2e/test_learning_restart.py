@@ -24,6 +24,8 @@ import yaml
 from riskserve.client import RiskClient
 from riskserve.learning.learner import load_version
 from riskserve.schema.pipeline import load_pipeline
+from riskserve.state.db import open_database
+from riskserve.state.versions import VersionsStore
 
 from ..conftest import PIPELINES
 from ..learning_helpers import BATCH, ONLINE, Labels
@@ -43,6 +45,7 @@ def _pipeline(tmp_path: Path, models: Path) -> Path:
     data["models"]["fraud"]["online"] = ONLINE
     data["feedback"] = {"log_path": str(tmp_path / "feedback" / "log.sqlite")}
     data["audit"] = {"path": str(tmp_path / "audit")}  # the decisions labels are joined to
+    data["state"] = {"dsn": f"sqlite:///{tmp_path / 'state.sqlite'}"}  # the versions record, read here too
     path = tmp_path / "restarts.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -92,11 +95,12 @@ def test_labels_survive_kill_9_and_a_ray_restart_exactly_once(tmp_path: Path, de
             learned = _wait(env, lambda s: s["models"]["fraud"]["last_seq"] == 3 * BATCH, 120)
             learned_version = learned["models"]["fraud"]["version"]
             assert learned_version != load_version(demo_models / "fraud").version
-        down = _riskserve("down", env=env)  # the drain redeploys what the served record names
+        down = _riskserve("down", env=env)
         assert down.returncode == 0, down.stderr  # Ray stops: every process, the object store, Serve
-        record = json.loads((tmp_path / "state" / "models" / "restarts.json").read_text())
-        assert record["models"]["fraud"]["entries"][-1]["version"] == learned_version
-        assert record["models"]["fraud"]["entries"][-1]["source"] == "learned"
+        store = VersionsStore(open_database(spec.state_dsn()))  # the versions record survives Ray
+        entry = store.read("restarts").models["fraud"].entries[-1]
+        store.db.close()
+        assert (entry.version, entry.source) == (learned_version, "learned")
         _up(path, port, env)  # a new Ray serves the learned version from its first decision, not the YAML's
         with RiskClient(target, pipeline="restarts", timeout_s=30) as client:
             first = client.decide_request(labels.requests["req-0"]).models
