@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -52,10 +53,12 @@ from riskserve.serving.tokens import Caller, TokenStore
 __all__ = [
     "APPLICATION_METADATA",
     "DEADLINE_METADATA",
+    "NODE_HOST_ENV",
     "SERVICE_NAME",
     "Admission",
     "FrontDoor",
     "Pipeline",
+    "bind_host",
     "check_front_door",
 ]
 
@@ -66,6 +69,15 @@ APPLICATION_METADATA = "application"
 """Metadata key naming the pipeline a call is for; required, so a decision never comes from another."""
 DEADLINE_METADATA = "riskserve-timeout-ms"
 """Optional metadata with a budget in ms; the gRPC deadline is used too (the shorter one wins)."""
+NODE_HOST_ENV = "RISKSERVE_NODE_HOST"
+"""Set where a Ray node is started: the address every front door on that node binds instead of the YAML's
+``serving.grpc.host`` (the node's own address on a cluster; several nodes on one machine, each its own
+loopback address)."""
+
+
+def bind_host(configured: str) -> str:
+    """The address a front door on this node binds: :data:`NODE_HOST_ENV`, else the YAML's host."""
+    return os.environ.get(NODE_HOST_ENV) or configured
 
 
 class Pipeline(Protocol):
@@ -396,6 +408,7 @@ class FrontDoor:
         self._reloader: asyncio.Task[None] | None = None
         self._lag_watcher: asyncio.Task[None] | None = None
         self.port = 0
+        self.host = settings.host
 
     def _token_store(self) -> TokenStore | None:
         auth = self._settings.auth
@@ -447,7 +460,8 @@ class FrontDoor:
                 (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME), server,
             )  # fmt: skip
-        address = f"{settings.host}:{settings.port}"
+        self.host = bind_host(settings.host)
+        address = f"{self.host}:{settings.port}"
         try:
             if credentials is None:
                 self.port = server.add_insecure_port(address)
@@ -467,7 +481,7 @@ class FrontDoor:
         closed = " (TLS)" if settings.tls else " (plain text)"
         closed += ", bearer tokens" if store is not None else ", no caller authentication"
         logger.info("pipeline '%s': gRPC on %s%s", self._pipeline.name, address, closed)
-        if settings.host not in ("127.0.0.1", "::1", "localhost") and (store is None or settings.tls is None):
+        if self.host not in ("127.0.0.1", "::1", "localhost") and (store is None or settings.tls is None):
             logger.warning("pipeline '%s': gRPC on %s is reachable from the network%s", self._pipeline.name,
                            address, closed)  # fmt: skip
         return self.port

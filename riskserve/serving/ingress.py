@@ -281,7 +281,7 @@ class PipelineIngress:
 
     def endpoint(self) -> str:
         """``HOST:PORT`` this replica's front door serves."""
-        return f"{self._spec.serving.grpc.host}:{self._front_door.port}"
+        return f"{self._front_door.host}:{self._front_door.port}"
 
     def draining(self) -> bool:
         """Whether this pipeline is draining (before a shutdown)."""
