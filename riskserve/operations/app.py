@@ -99,6 +99,7 @@ def _stage(
     num_cpus: float | None = None,
     env_vars: dict[str, str] | None = None,
     health_check_timeout_s: float | None = None,
+    max_replicas_per_node: int | None = None,
 ) -> Any:
     cpus = stage.num_cpus if num_cpus is None else num_cpus
     options = actor_options(spec, spec.stage_pool(stage), cpus)
@@ -114,6 +115,7 @@ def _stage(
         health_check_period_s=stage.health_check_period_s,
         health_check_timeout_s=health_check_timeout_s or stage.health_check_timeout_s,
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
+        **({"max_replicas_per_node": max_replicas_per_node} if max_replicas_per_node else {}),
     )
 
 
@@ -178,6 +180,7 @@ def build_application(spec: PipelineSpec, *, draining: bool = False) -> Applicat
         num_cpus=ingress_cpus(spec),
         env_vars=SHARED_LOOP_ENV if shared_loop else None,
         health_check_timeout_s=spec.ingress_health_check_timeout(),
+        max_replicas_per_node=spec.serving.ingress.max_replicas_per_node,
     )
     ingress: Application = ingress_deployment.options(user_config={"draining": draining}).bind(
         data, features, models, feedback, **extra

@@ -391,6 +391,9 @@ class IngressSpec(StageSpec):
     saves about 300 MB and an event loop, and makes every crash an outage of several seconds."""
 
     replicas: int = Field(default=2, ge=1, le=64)
+    max_replicas_per_node: int | None = Field(default=None, ge=1)
+    """At most this many ingress replicas on one Ray node (Serve's ``max_replicas_per_node``): ``1`` spreads
+    them so that every node that takes traffic runs a front door, and losing a node loses one replica."""
     event_loop: Literal["shared", "separate"] = "shared"
     """``shared`` (default): the front door and the decisions run on the event loop Serve's replica runs
     on (Serve's ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``, set in the ingress replicas' runtime
