@@ -6,6 +6,7 @@ from typing import Any
 
 from riskserve.operations.local import LocalState, connected, read_state
 from riskserve.operations.publish import every_replica, model_status
+from riskserve.operations.served import open_versions, served_entries
 from riskserve.platform.runner import ModelStatus
 from riskserve.schema.pipeline import PipelineSpec, load_pipeline
 
@@ -41,6 +42,7 @@ def collect_status(state: LocalState) -> dict[str, Any]:
             for model in spec.models:
                 models[model] = _every_replica(spec, model)
             out[name] = {
+                "provenance": _provenance(spec),
                 "status": str(app.status.value),
                 "endpoint": state.endpoint(name),
                 "deployments": deployments,
@@ -69,8 +71,28 @@ def print_status() -> int:
             versions = sorted({str(r.version) for r in replicas})
             shown = versions[0] if len(versions) == 1 else " / ".join(versions) + " (replicas differ)"
             print(f"  model {name:<10} {first.kind:<9} in {first.placement:<10} {shown}")
+            why = info.get("provenance", {}).get(name)
+            if why:
+                print(f"    {why}")
             healthy &= all(r.ready for r in replicas)
     return 0 if healthy else 1
+
+
+def _provenance(spec: PipelineSpec) -> dict[str, str]:
+    """Per model that does not serve its YAML artifact: why (the versions record's entry)."""
+    import time
+
+    store = open_versions(spec)
+    try:
+        entries = served_entries(spec, store)
+    finally:
+        store.db.close()
+    out = {}
+    for model, entry in entries.items():
+        ago = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.at))
+        note = f": {entry.note}" if entry.note else ""
+        out[model] = f"serves its {entry.source} version {entry.version} (since {ago}{note}), not the YAML's"
+    return out
 
 
 def _every_replica(spec: PipelineSpec, model: str) -> list[ModelStatus]:

@@ -129,6 +129,7 @@ def test_labels_survive_kill_9_and_a_ray_restart_exactly_once(tmp_path: Path, de
             assert shown.returncode == 0, shown.stdout + shown.stderr
             line = rf"^  model fraud\s+sklearn\s+in ingress\s+{re.escape(expected)}$"
             assert re.search(line, shown.stdout, re.MULTILINE), shown.stdout
+            assert f"serves its learned version {expected} (since " in shown.stdout  # and why it serves
             for i in range(0, 4 * BATCH, 7):  # replays after all of it: duplicates, nothing moves
                 ack = client.feedback(
                     request_id=f"req-{i}", label=int(labels.tx.is_fraud[i]), feedback_id=f"fb-{i}"

@@ -1,0 +1,147 @@
+"""A pipeline on two real Ray nodes of one machine, each with its own state, cache and temporary
+directories and its own loopback address, PostgreSQL as the state store and a shared artifact directory:
+a decision answered through one node's front door is labelled through the other's, learned by the
+feedback service on the second node, and the new version serves on both; an ingress replica killed on the
+first node comes back serving the learned version, which its own disk never held."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from riskserve.client import RiskClient
+from riskserve.learning.learner import load_version
+from riskserve.schema.pipeline import parse_pipeline
+
+from ..conftest import PIPELINES, REPO
+from ..learning_helpers import BATCH, ONLINE, Labels
+from ..pg_server import PostgresServer
+from ..ray_nodes import RayNode, ray_cluster
+from ..sockets import listening_sockets
+
+pytestmark = pytest.mark.slow
+
+DEPLOY = """
+import sys, yaml
+from ray import serve
+import ray
+from riskserve.operations.app import build_application
+from riskserve.schema.pipeline import parse_pipeline
+ray.init(address=sys.argv[1], log_to_driver=False)
+serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
+spec = parse_pipeline(yaml.safe_load(open(sys.argv[2])), base_dir=sys.argv[3])
+serve.run(build_application(spec), name=spec.name, route_prefix=None)
+"""
+
+
+def _database(postgres: PostgresServer, name: str) -> str:
+    import psycopg
+
+    with psycopg.connect(postgres.dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return postgres.dsn.rsplit("/", 1)[0] + f"/{name}"
+
+
+def _pipeline(tmp_path: Path, models: Path, dsn: str, port: int) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
+    data["name"] = "twonodes"
+    data["pools"] = {"cpu": {"cpus": 8}, "learn": {"cpus": 1}}
+    data["serving"] = {
+        "grpc": {"port": port},
+        "ingress": {"replicas": 2, "max_replicas_per_node": 1, "pool": "cpu"},
+    }
+    for name, model in data["models"].items():
+        model["artifact"] = str(models / name)  # the YAML's artifacts: on a volume every node mounts
+        model["timeout_ms"] = 20_000
+        model["pool"] = "cpu"
+    data["models"]["fraud"]["online"] = {**ONLINE, "artifact_dir": str(tmp_path / "learner-disk")}
+    data["feedback"] = {"pool": "learn"}
+    data["audit"] = {}  # each node journals on its own disk and ships to PostgreSQL
+    data["state"] = {"dsn": dsn, "artifacts": str(tmp_path / "shared-artifacts")}
+    return data
+
+
+def _fraud_version(client: RiskClient, labels: Labels) -> str:
+    answer = client.decide_request(labels.requests["req-0"])
+    return next(m.version for m in answer.models if m.model == "fraud")
+
+
+def _listener(host: str, port: int) -> int:
+    """The pid of the process listening on ``host:port`` (the kernel's socket table)."""
+    sockets = {f"socket:[{inode}]" for inode, (address, bound) in listening_sockets().items()
+               if bound == port and address.removeprefix("::ffff:") == host}  # fmt: skip
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
+                    return int(proc.name)
+            except OSError:
+                continue
+    raise AssertionError(f"nothing listens on {host}:{port}")
+
+
+def _wait(what: str, condition: Any, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = condition()
+            if value:
+                return value
+        except Exception:  # the replica is coming back
+            value = None
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_a_decision_on_one_node_is_learned_through_the_other_and_serves_on_both(
+    tmp_path: Path, demo_models: Path, postgres: PostgresServer
+) -> None:
+    from ..integration.conftest import free_port
+
+    port = free_port()
+    dsn = _database(postgres, f"twonodes_{os.getpid()}")
+    data = _pipeline(tmp_path, demo_models, dsn, port)
+    path = tmp_path / "twonodes.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    spec = parse_pipeline(data, base_dir=PIPELINES)
+    a = RayNode("a", "127.0.0.2", tmp_path / "node-a", {"riskserve_pool_cpu": 4000}, num_cpus=4)
+    b = RayNode("b", "127.0.0.3", tmp_path / "node-b",
+                {"riskserve_pool_cpu": 4000, "riskserve_pool_learn": 1000}, num_cpus=4)  # fmt: skip
+    with ray_cluster(a, [b], tmp_path / "ray") as cluster:
+        deploy = subprocess.run(
+            [sys.executable, "-c", DEPLOY, cluster.address, str(path), str(PIPELINES)],
+            env={**cluster.env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert deploy.returncode == 0, deploy.stderr[-4000:]
+        yaml_version = load_version(demo_models / "fraud").version
+        with (
+            RiskClient(f"{a.host}:{port}", pipeline="twonodes", timeout_s=30) as on_a,
+            RiskClient(f"{b.host}:{port}", pipeline="twonodes", timeout_s=30) as on_b,
+        ):
+            labels = Labels(spec, on_a)
+            labels.decide(0, 2 * BATCH)  # answered by node a's front door
+            labels.client = on_b
+            labels.send(0, 2 * BATCH, retry_s=30)  # labelled through node b's
+            learned = _wait(
+                "the learned version on both nodes",
+                lambda: {_fraud_version(on_a, labels), _fraud_version(on_b, labels)} - {yaml_version},
+                120,
+            )
+            assert len(learned) == 1, learned  # one version, the same on both nodes
+            (version,) = learned
+            assert {_fraud_version(on_a, labels), _fraud_version(on_b, labels)} == {version}
+            # The learner's own disk loses the version: what serves must come from the shared store.
+            shutil.rmtree(tmp_path / "learner-disk", ignore_errors=True)
+            os.kill(_listener(a.host, port), signal.SIGKILL)  # fault injected: node a's ingress replica dies
+            restarted = _wait("node a's ingress back", lambda: _fraud_version(on_a, labels), 180)
+            assert restarted == version
