@@ -4,11 +4,12 @@
   call, like ``Decide``), with the write-ahead journal (one ``write`` to the kernel, the default) and
   without it (memory only: a ``kill -9`` loses what is buffered);
 * ``record``: building the record from a decision (``audit_records``) per decision;
-* ``writer``: the background thread's CPU per record committed to SQLite (WAL, ``synchronous=NORMAL``,
-  batches of ``batch_rows``) and the records/s it sustains.
+* ``writer``: the background thread's CPU per record shipped to the state database and the records/s it
+  sustains (batches of ``batch_rows``; the embedded SQLite one in a temporary directory, WAL,
+  ``synchronous=FULL``, unless ``--dsn`` names another, e.g. a PostgreSQL database to fill).
 
-Run: ``.venv/bin/python bench/audit.py [--records 20000]`` (in ``make bench``); prints JSON and writes
-``bench/results/audit.json``.
+Run: ``.venv/bin/python bench/audit.py [--records 20000] [--dsn DSN]`` (in ``make bench``); prints JSON and
+writes ``bench/results/audit.json``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from riskserve.schema.pipeline import load_pipeline
 from riskserve.schema.rules import Decision, ModelResult
 from riskserve.serving.auditing import audit_records
 from riskserve.serving.reasons import Reason
+from riskserve.state.db import Database, open_database
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,9 +59,17 @@ def _records(n: int) -> list[list[dict[str, object]]]:
     return out
 
 
-def _submit(records: list[list[dict[str, object]]], write_ahead: bool) -> dict[str, float]:
+def _database(directory: str, dsn: str | None) -> Database:
+    """The state database records go to: ``dsn``, else a SQLite file in ``directory``."""
+    return open_database(dsn or f"sqlite:///{Path(directory) / 'state.sqlite'}")
+
+
+def _submit(records: list[list[dict[str, object]]], write_ahead: bool, dsn: str | None) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as directory:
-        writer = AuditWriter(Path(directory), write_ahead=write_ahead, buffer_rows=len(records) + 1).start()
+        db = _database(directory, dsn)
+        writer = AuditWriter(
+            Path(directory), db, write_ahead=write_ahead, buffer_rows=len(records) + 1
+        ).start()
         times = []
         for batch in records:
             started = time.perf_counter_ns()
@@ -67,15 +77,17 @@ def _submit(records: list[list[dict[str, object]]], write_ahead: bool) -> dict[s
             times.append(time.perf_counter_ns() - started)
         writer.flush(120)
         writer.close()
+        db.close()
     times.sort()
     return {"p50_us": times[len(times) // 2] / 1e3, "p99_us": times[int(len(times) * 0.99)] / 1e3,
             "mean_us": statistics.fmean(times) / 1e3}  # fmt: skip
 
 
-def _writer(records: list[list[dict[str, object]]]) -> dict[str, float]:
+def _writer(records: list[list[dict[str, object]]], dsn: str | None) -> dict[str, float]:
     """Submit everything first (not started), then time the writer thread draining it."""
     with tempfile.TemporaryDirectory() as directory:
-        writer = AuditWriter(Path(directory), buffer_rows=len(records) + 1)
+        db = _database(directory, dsn)
+        writer = AuditWriter(Path(directory), db, buffer_rows=len(records) + 1)
         for batch in records:
             writer.submit(batch)  # type: ignore[arg-type]
         cpu: list[float] = []
@@ -91,6 +103,7 @@ def _writer(records: list[list[dict[str, object]]]) -> dict[str, float]:
         thread.join()
         wall = time.perf_counter() - wall
         writer.close()
+        db.close()
     return {"cpu_us_per_record": cpu[0] / len(records) * 1e6, "records_per_s": len(records) / wall}
 
 
@@ -99,6 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--records", type=int, default=20_000)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--dsn", help="the state database to ship to (default: a temporary SQLite file)")
     args = parser.parse_args()
     started = time.perf_counter()
     records = _records(args.records)
@@ -106,9 +120,9 @@ def main() -> None:
     out = {
         "records": args.records,
         "record_build_us": build_us,
-        "submit_write_ahead": _submit(records, True),
-        "submit_memory_only": _submit(records, False),
-        "writer": _writer(records),
+        "submit_write_ahead": _submit(records, True, args.dsn),
+        "submit_memory_only": _submit(records, False, args.dsn),
+        "writer": _writer(records, args.dsn),
         "record_bytes": len(json.dumps(records[0][0], separators=(",", ":"))),
     }
     print(json.dumps(out, indent=2))

@@ -236,13 +236,16 @@ def _audit(args: argparse.Namespace) -> int:
 
     from riskserve.operations import audit_cli
 
-    trail = audit_cli.find_trail(args.pipeline, args.dir)
-    if args.audit_command == "show":
-        print(audit_cli.dumps(audit_cli.show_audit(trail, args.decision_id)))
-        return 0
-    since = audit_cli.parse_time(args.since, field="--since")
-    until = audit_cli.parse_time(args.until, field="--until") if args.until else time.time() + 1
-    count = audit_cli.export_audit(trail, since, until, args.format, args.out)
+    trail = audit_cli.find_trail(args.pipeline, args.dsn)
+    try:
+        if args.audit_command == "show":
+            print(audit_cli.dumps(audit_cli.show_audit(trail, args.decision_id)))
+            return 0
+        since = audit_cli.parse_time(args.since, field="--since")
+        until = audit_cli.parse_time(args.until, field="--until") if args.until else time.time() + 1
+        count = audit_cli.export_audit(trail, since, until, args.format, args.out)
+    finally:
+        trail.db.close()
     print(f"{count} decisions written to {args.out} ({args.format})")
     return 0
 
@@ -388,7 +391,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--pipeline", help="its YAML file, or the name of a running pipeline (default: the only one)"
         )
-        sub.add_argument("--dir", type=Path, help="read this audit directory instead")
+        sub.add_argument("--dsn", help="read this state database instead (sqlite:///PATH, postgresql://...)")
         sub.set_defaults(handler=_audit)
 
     export = commands.add_parser("export", help="generate deployment files")

@@ -1,8 +1,9 @@
 """The decision audit trail: every decision kept durably off the request path, read by ``riskserve audit``.
 
-:class:`AuditWriter` (in each ingress replica) keeps records in a slot's SQLite file behind a bounded
-buffer and an append-only journal; :class:`AuditTrail` reads every slot; :mod:`riskserve.audit.export`
-writes the records as Parquet or CSV.
+:class:`AuditWriter` (in each ingress replica) keeps records behind a bounded buffer and an append-only
+journal on its node's disk and ships them to the pipeline's state database (:class:`AuditStore`), where
+every node's records meet; :class:`AuditTrail` and :class:`~riskserve.audit.lookup.DecisionLookup` read
+them there; :mod:`riskserve.audit.export` writes them as Parquet or CSV.
 """
 
 from riskserve.audit.store import AuditRecord, AuditStore

@@ -1,39 +1,40 @@
-"""One SQLite file of audit records (WAL), written by one process, read by any.
+"""The audit records in a pipeline's state database (component ``audit``): one place for their SQL.
 
 A record is one decision as it was answered (:class:`AuditRecord`), kept whole as JSON beside the columns
-a query needs (id, time, pipeline, outcome, the caller's request id). In a pipeline that learns online it
-also holds the encoded feature row the models saw (its float32 bytes, base64) and the digest of its column
-layout,
-whose column names the file keeps once in ``layouts``: the feedback log joins labels to these records
-(:mod:`riskserve.audit.lookup`) rather than keeping a copy of them. Writes are ``INSERT OR IGNORE`` on
-the decision id, so a record replayed from the journal after a crash is written once. Every write is one
-short ``BEGIN IMMEDIATE`` ... ``COMMIT``; retention deletes at most ``rows`` per transaction, so readers
-and the writer never wait long on it.
+a query needs (id, the caller's request id, time, pipeline, outcome) and the node and replica slot that
+made it. In a pipeline that learns online it also holds the encoded feature row the models saw (its
+float32 bytes, base64) and the digest of its column layout, whose column names the database keeps once in
+``audit_layouts``: the feedback log joins labels to these records (:mod:`riskserve.audit.lookup`) rather
+than keeping a copy of them. Every node writes the same tables (PostgreSQL on a cluster, a SQLite file on
+one machine), so a label finds its decision whichever node made it, and a lost node loses only what it had
+not shipped yet (:class:`~riskserve.audit.writer.AuditWriter` states the bound).
 
-Durability: ``synchronous=NORMAL`` in WAL mode: a commit survives the process being killed, and the
-journal (:mod:`riskserve.audit.journal`) covers what is not committed yet; a power loss may lose the last
-commits (and the journal, which is not fsynced either). The file is created mode 0600: it holds the
-requests' input fields.
+Inserts are multi-row ``INSERT ... ON CONFLICT (decision_id) DO NOTHING``: a record shipped twice (a
+journal replayed after a crash, a commit whose acknowledgement was lost) is kept once, as first written.
+Retention deletes at most ``rows`` per transaction by ``decided_at``; deletes are idempotent, so several
+replicas may purge at once.
+
+Slot files of the releases before the state database (``slot-N.sqlite`` in the audit directory) are not
+migrated: they stay on their node's disk, readable with ``sqlite3``, and nothing reads them any more.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 import os
-import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Final, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict
 
-from riskserve.platform.sqlite_wal import install_schema, open_wal
+from riskserve.state.db import Database, Migration
 
 __all__ = [
-    "SCHEMA_VERSION",
+    "MIGRATIONS",
     "AuditRecord",
     "AuditStore",
     "create_private",
@@ -43,34 +44,40 @@ __all__ = [
     "layout_digest",
 ]
 
-SCHEMA_VERSION: Final = 2
+MIGRATIONS = (
+    Migration(
+        1,
+        """
+        CREATE TABLE audit_decisions (
+            decision_id      TEXT PRIMARY KEY,
+            request_id       TEXT NOT NULL,
+            decided_at       DOUBLE PRECISION NOT NULL,
+            pipeline         TEXT NOT NULL,
+            pipeline_version TEXT NOT NULL,
+            outcome          TEXT NOT NULL,
+            node             TEXT NOT NULL,
+            replica          TEXT NOT NULL,
+            record           TEXT NOT NULL
+        );
+        CREATE INDEX audit_decisions_request_id ON audit_decisions (request_id);
+        CREATE INDEX audit_decisions_decided_at ON audit_decisions (decided_at);
+        CREATE TABLE audit_layouts (
+            digest  TEXT PRIMARY KEY,
+            columns TEXT NOT NULL
+        )
+        """,
+    ),
+)
+"""The audit component's schema; ``record`` is the whole :class:`AuditRecord` as JSON, ``node`` and
+``replica`` (the writer's slot on that node) say where it was decided, ``audit_layouts.columns`` is the
+names of a layout as a JSON list."""
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS decisions (
-    decision_id      TEXT PRIMARY KEY,
-    decided_at       REAL NOT NULL,
-    pipeline         TEXT NOT NULL,
-    pipeline_version TEXT NOT NULL,
-    outcome          TEXT NOT NULL,
-    record           TEXT NOT NULL,  -- the whole AuditRecord as JSON
-    request_id       TEXT            -- the caller's request id (a correlation id, not unique)
-);
-CREATE INDEX IF NOT EXISTS decisions_decided_at ON decisions (decided_at);
-CREATE TABLE IF NOT EXISTS layouts (
-    digest  TEXT PRIMARY KEY,        -- layout_digest(columns): what a record's "layout" names
-    columns TEXT NOT NULL            -- the column names as a JSON list
-);
-"""
-_MIGRATIONS: Final = {
-    # 1 -> 2: the caller's request id as a column (the feedback log finds a decision by it) and layouts.
-    1: [
-        "ALTER TABLE decisions ADD COLUMN request_id TEXT",
-        "UPDATE decisions SET request_id = json_extract(record, '$.request_id')",
-    ],
-}
-_INDEXES: Final = ["CREATE INDEX IF NOT EXISTS decisions_request_id ON decisions (request_id)"]
-"""Created after the migrations (they add the indexed column)."""
+ROWS_PER_INSERT = 500
+"""Records per ``INSERT`` statement (9 parameters each: far under both engines' limits)."""
+IDS_PER_QUERY = 500
+"""Ids per ``IN (...)`` query."""
+_PAGE = 1000
+_COLUMNS = "decision_id, request_id, decided_at, pipeline, pipeline_version, outcome, node, replica, record"
 
 
 class AuditRecord(TypedDict):
@@ -98,9 +105,9 @@ class AuditRecord(TypedDict):
     features: NotRequired[str]
     """The encoded row the models saw: its little-endian float32 bytes in base64 (:func:`encode_row`;
     exact, and ~1 µs where JSON numbers cost tens); kept when the pipeline learns online (``feedback``),
-    absent otherwise and in records of schema 1."""
+    absent otherwise."""
     layout: NotRequired[str]
-    """:func:`layout_digest` of the row's columns (the names are in the file's ``layouts`` table)."""
+    """:func:`layout_digest` of the row's columns (the names are in the ``audit_layouts`` table)."""
 
 
 def layout_digest(columns: Sequence[str]) -> str:
@@ -123,175 +130,174 @@ def dumps(record: AuditRecord) -> str:
     return json.dumps(record, separators=(",", ":"))
 
 
+def loads(text: str) -> AuditRecord:
+    """A record from its JSON."""
+    record: AuditRecord = json.loads(text)
+    return record
+
+
 def create_private(path: Path) -> None:
     """Create ``path`` empty with mode 0600 if it does not exist (never loosen an existing file)."""
     with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
 
 
+@functools.lru_cache(maxsize=8)
+def _insert_sql(rows: int) -> str:
+    values = ",".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?)"] * rows)
+    return f"INSERT INTO audit_decisions ({_COLUMNS}) VALUES {values} ON CONFLICT (decision_id) DO NOTHING"
+
+
 class AuditStore:
-    """One SQLite audit file; safe to share between threads (one connection behind a lock)."""
+    """The audit tables of one state database; thread-safe (every call is its own transaction; reads take
+    no write lock). The schema is installed on first use, so a replica starts while the database is down.
 
-    def __init__(self, path: Path, *, busy_timeout_s: float = 5.0) -> None:
-        self.path = Path(path)
-        create_private(self.path)
+    Raises (every method that reads or writes):
+        StoreUnavailable: the database cannot be reached now (nothing was written).
+    """
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._ready = False
         self._lock = threading.Lock()
-        self._db = open_wal(self.path, busy_timeout_s=busy_timeout_s, synchronous="NORMAL")
-        try:
-            self._configure()
-        except BaseException:
-            self._db.close()
-            raise
 
-    def _configure(self) -> None:
-        with self._write() as cur:  # an older file is upgraded in the same transaction
-            install_schema(
-                cur,
-                path=self.path,
-                schema=_SCHEMA,
-                version=SCHEMA_VERSION,
-                migrations=_MIGRATIONS,
-                indexes=_INDEXES,
-                label="audit schema",
-            )
+    def ensure_schema(self) -> None:
+        """Apply the audit migrations once per process (idempotent across processes)."""
+        if self._ready:
+            return
+        with self._lock:
+            if not self._ready:
+                self.db.migrate("audit", MIGRATIONS)
+                self._ready = True
 
-    def _write(self) -> _Transaction:
-        return _Transaction(self._db, self._lock)
-
-    def insert(self, records: Sequence[AuditRecord], lines: Sequence[str] | None = None) -> int:
+    def insert(
+        self,
+        records: Sequence[AuditRecord],
+        lines: Sequence[str] | None = None,
+        *,
+        node: str = "",
+        replica: str = "",
+    ) -> int:
         """Keep ``records`` in ONE transaction; returns how many were new (a kept id is left as it was).
 
-        ``lines``: the records' JSON when the caller has it already (the journal's lines)."""
+        ``lines``: the records' JSON when the caller has it already (the journal's lines); ``node`` and
+        ``replica``: where they were decided."""
+        self.ensure_schema()
         texts = lines if lines is not None else [dumps(r) for r in records]
         rows = [
-            (
-                r["decision_id"],
-                r["decided_at"],
-                r["pipeline"],
-                r["pipeline_version"],
-                r["outcome"],
-                text,
-                r["request_id"],
-            )
+            (r["decision_id"], r["request_id"], r["decided_at"], r["pipeline"], r["pipeline_version"],
+             r["outcome"], node, replica, text)
             for r, text in zip(records, texts, strict=True)
-        ]
-        with self._write() as cur:
-            before = self._db.total_changes
-            cur.executemany(
-                "INSERT OR IGNORE INTO decisions"
-                " (decision_id, decided_at, pipeline, pipeline_version, outcome, record, request_id)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                rows,
+        ]  # fmt: skip
+        new = 0
+        with self.db.transaction() as tx:
+            for start in range(0, len(rows), ROWS_PER_INSERT):
+                chunk = rows[start : start + ROWS_PER_INSERT]
+                new += tx.execute(_insert_sql(len(chunk)), [value for row in chunk for value in row])
+        return new
+
+    def add_layouts(self, layouts: Mapping[str, Sequence[str]]) -> None:
+        """Keep the names of column layouts by their digests (a kept digest is left as it was)."""
+        if not layouts:
+            return
+        self.ensure_schema()
+        with self.db.transaction() as tx:
+            tx.executemany(
+                "INSERT INTO audit_layouts (digest, columns) VALUES (?, ?) ON CONFLICT (digest) DO NOTHING",
+                [(digest, json.dumps(list(columns))) for digest, columns in sorted(layouts.items())],
             )
-            return int(self._db.total_changes - before)
 
     def add_layout(self, columns: Sequence[str]) -> str:
-        """Keep the names of a column layout (once); returns its digest, what records name it by."""
+        """Keep the names of one column layout; returns its digest, what records name it by."""
         digest = layout_digest(columns)
-        with self._write() as cur:
-            cur.execute(
-                "INSERT OR IGNORE INTO layouts (digest, columns) VALUES (?, ?)",
-                (digest, json.dumps(list(columns))),
-            )
+        self.add_layouts({digest: columns})
         return digest
+
+    def layout_columns(self, digest: str) -> tuple[str, ...] | None:
+        """The column names a layout digest stands for, or ``None`` (not shipped yet)."""
+        self.ensure_schema()
+        with self.db.transaction(write=False) as tx:
+            row = tx.one("SELECT columns FROM audit_layouts WHERE digest = ?", (digest,))
+        return None if row is None else tuple(json.loads(row[0]))
 
     def get(self, decision_id: str) -> AuditRecord | None:
         """The record of one decision, or ``None``."""
-        with self._lock:
-            row = self._db.execute(
-                "SELECT record FROM decisions WHERE decision_id = ?", (decision_id,)
-            ).fetchone()
-        return None if row is None else _load(row[0])
+        self.ensure_schema()
+        with self.db.transaction(write=False) as tx:
+            row = tx.one("SELECT record FROM audit_decisions WHERE decision_id = ?", (decision_id,))
+        return None if row is None else loads(row[0])
+
+    def refs(self, column: str, value: str, limit: int) -> list[tuple[str, float, str]]:
+        """``(decision_id, decided_at, request_id)`` of up to ``limit`` records whose ``column``
+        (``decision_id`` or ``request_id``, both indexed) is ``value``."""
+        if column not in ("decision_id", "request_id"):
+            raise ValueError(f"not an indexed id column: {column!r}")
+        self.ensure_schema()
+        with self.db.transaction(write=False) as tx:
+            rows = tx.query(
+                f"SELECT decision_id, decided_at, request_id FROM audit_decisions WHERE {column} = ? "
+                "ORDER BY decision_id LIMIT ?",
+                (value, limit),
+            )
+        return [(str(d), float(t), str(r)) for d, t, r in rows]
+
+    def many(self, decision_ids: Iterable[str]) -> dict[str, AuditRecord]:
+        """The records of those of ``decision_ids`` that are kept, by id."""
+        wanted = list(dict.fromkeys(decision_ids))
+        if not wanted:
+            return {}
+        self.ensure_schema()
+        out: dict[str, AuditRecord] = {}
+        with self.db.transaction(write=False) as tx:
+            for start in range(0, len(wanted), IDS_PER_QUERY):
+                chunk = wanted[start : start + IDS_PER_QUERY]
+                marks = ",".join("?" * len(chunk))
+                for decision_id, text in tx.query(
+                    f"SELECT decision_id, record FROM audit_decisions WHERE decision_id IN ({marks})", chunk
+                ):
+                    out[str(decision_id)] = loads(text)
+        return out
 
     def between(self, since: float, until: float) -> Iterator[AuditRecord]:
-        """Records decided in ``[since, until)``, oldest first (read in pages of 1000)."""
-        after = (since, "")
+        """Records decided in ``[since, until)``, oldest first (read in pages of 1000, one transaction
+        each, so no transaction stays open while the caller works)."""
+        self.ensure_schema()
+        after: tuple[float, str] = (since, "")
         while True:
-            with self._lock:
-                rows = self._db.execute(
-                    "SELECT decided_at, decision_id, record FROM decisions"
-                    " WHERE (decided_at, decision_id) > (?, ?) AND decided_at >= ? AND decided_at < ?"
-                    " ORDER BY decided_at, decision_id LIMIT 1000",
-                    (*after, since, until),
-                ).fetchall()
+            with self.db.transaction(write=False) as tx:
+                rows = tx.query(
+                    "SELECT decided_at, decision_id, record FROM audit_decisions"
+                    " WHERE (decided_at > ? OR (decided_at = ? AND decision_id > ?))"
+                    " AND decided_at >= ? AND decided_at < ?"
+                    " ORDER BY decided_at, decision_id LIMIT ?",
+                    (after[0], after[0], after[1], since, until, _PAGE),
+                )
             if not rows:
                 return
             for row in rows:
-                yield _load(row[2])
-            after = (rows[-1][0], rows[-1][1])
+                yield loads(row[2])
+            after = (float(rows[-1][0]), str(rows[-1][1]))
 
     def count(self) -> int:
-        """How many records the file holds."""
-        with self._lock:
-            return int(self._db.execute("SELECT COUNT(*) FROM decisions").fetchone()[0])
+        """How many records the database holds."""
+        self.ensure_schema()
+        with self.db.transaction(write=False) as tx:
+            row = tx.one("SELECT COUNT(*) FROM audit_decisions")
+        return 0 if row is None else int(row[0])
+
+    def origins(self) -> dict[str, tuple[str, str]]:
+        """Decision id -> (node, replica) that made it, of every record (tests and drills: small trails)."""
+        self.ensure_schema()
+        with self.db.transaction(write=False) as tx:
+            rows = tx.query("SELECT decision_id, node, replica FROM audit_decisions")
+        return {str(d): (str(n), str(r)) for d, n, r in rows}
 
     def purge(self, before: float, rows: int) -> int:
         """Delete at most ``rows`` records decided before ``before`` in one transaction; returns how many."""
-        with self._write() as cur:
-            cur.execute(
-                "DELETE FROM decisions WHERE rowid IN"
-                " (SELECT rowid FROM decisions WHERE decided_at < ? ORDER BY decided_at LIMIT ?)",
+        self.ensure_schema()
+        with self.db.transaction() as tx:
+            return tx.execute(
+                "DELETE FROM audit_decisions WHERE decision_id IN (SELECT decision_id FROM audit_decisions"
+                " WHERE decided_at < ? ORDER BY decided_at LIMIT ?)",
                 (before, rows),
             )
-            return int(cur.rowcount)
-
-    def pragma(self, name: str) -> Any:
-        """One PRAGMA as SQLite reports it now (``journal_mode``, ``synchronous``)."""
-        if not name.isidentifier():
-            raise ValueError(f"not a pragma name: {name!r}")
-        with self._lock:
-            return self._db.execute(f"PRAGMA {name}").fetchone()[0]
-
-    def close(self) -> None:
-        """Close the connection (the last one to close checkpoints the WAL)."""
-        with self._lock:
-            self._db.close()
-
-    def __enter__(self) -> AuditStore:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-
-class _Transaction:
-    """``with store._write() as cur``: BEGIN IMMEDIATE, COMMIT on success, ROLLBACK on an exception."""
-
-    def __init__(self, db: sqlite3.Connection, lock: threading.Lock) -> None:
-        self._db = db
-        self._lock = lock
-        self._cur: sqlite3.Cursor | None = None
-
-    def __enter__(self) -> sqlite3.Cursor:
-        self._lock.acquire()
-        try:
-            self._cur = self._db.cursor()
-            self._cur.execute("BEGIN IMMEDIATE")
-        except BaseException:
-            self._lock.release()
-            raise
-        return self._cur
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        assert self._cur is not None
-        try:
-            if exc_type is not None:
-                self._cur.execute("ROLLBACK")
-                return
-            try:
-                self._cur.execute("COMMIT")
-            except BaseException:  # e.g. the disk is full: leave no transaction open
-                if self._db.in_transaction:
-                    self._cur.execute("ROLLBACK")
-                raise
-        finally:
-            self._lock.release()
-
-
-def _load(text: str) -> AuditRecord:
-    record: AuditRecord = json.loads(text)
-    return record

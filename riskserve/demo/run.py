@@ -96,7 +96,11 @@ def _audit(pipeline_file: Path, response: pb.DecideResponse | None) -> None:
     if response is None:
         return
     try:
-        record = show_audit(find_trail(str(pipeline_file)), response.decision_id)
+        trail = find_trail(str(pipeline_file))
+        try:
+            record = show_audit(trail, response.decision_id)
+        finally:
+            trail.db.close()
     except Exception as error:  # the demo goes on: say what is missing
         print(f"\naudit trail: {type(error).__name__}: {error}")
         return

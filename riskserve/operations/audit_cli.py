@@ -1,8 +1,10 @@
-"""``riskserve audit show ID`` and ``riskserve audit export``: the trail read from its files, no Ray.
+"""``riskserve audit show ID`` and ``riskserve audit export``: the trail read from its database, no Ray.
 
-The trail is found from a pipeline: its YAML (``--pipeline deploy/pipelines/card_fraud.yaml``), the name of
-a pipeline the local ``riskserve up`` runs (``--pipeline card_fraud``; the only one when omitted), or a
-directory (``--dir``). Labels are joined from the pipeline's feedback log when it has one.
+The trail is found from a pipeline: its YAML (``--pipeline deploy/pipelines/card_fraud.yaml``) or the name
+of a pipeline the local ``riskserve up`` runs (``--pipeline card_fraud``; the only one when omitted): its
+state database (``state.dsn``), and the records still only in this node's journals (``audit.path``).
+``--dsn`` reads a state database without a pipeline (no journals). Labels are joined from the feedback
+log's table in the same database.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from riskserve.audit.export import Format, to_table, write_table
 from riskserve.audit.trail import AuditTrail
 from riskserve.platform.errors import ConfigError, InvalidInput, NotFound
 from riskserve.schema.pipeline import PipelineSpec, load_pipeline
+from riskserve.state.db import open_database
 
 __all__ = ["export_audit", "find_trail", "parse_time", "show_audit"]
 
@@ -51,7 +54,7 @@ def _spec(pipeline: str | None) -> PipelineSpec:
 
     state = read_state()
     if state is None:
-        raise NotFound("no local riskserve is running: name the pipeline's YAML (--pipeline FILE) or --dir")
+        raise NotFound("no local riskserve is running: name the pipeline's YAML (--pipeline FILE) or --dsn")
     names = [pipeline] if pipeline is not None else list(state.pipeline_files)
     if pipeline is None and len(names) != 1:
         raise InvalidInput(f"several pipelines run ({', '.join(names)}): name one", field="--pipeline")
@@ -61,15 +64,15 @@ def _spec(pipeline: str | None) -> PipelineSpec:
     return load_pipeline(state.pipeline_files[name])
 
 
-def find_trail(pipeline: str | None = None, directory: Path | None = None) -> AuditTrail:
-    """The audit trail of a pipeline (YAML file or running pipeline's name) or of a directory."""
-    if directory is not None:
-        return AuditTrail(directory)
+def find_trail(pipeline: str | None = None, dsn: str | None = None) -> AuditTrail:
+    """The audit trail of a pipeline (YAML file or running pipeline's name), or of a state database; the
+    caller closes its database (``trail.db.close()``)."""
+    if dsn is not None:
+        return AuditTrail(open_database(dsn))
     spec = _spec(pipeline)
     if spec.audit is None:
         raise ConfigError(f"pipeline '{spec.name}' keeps no audit trail (its YAML has no 'audit' section)")
-    log = spec.feedback_log_path() if spec.feedback is not None else None
-    return AuditTrail(spec.audit_dir(), feedback_log=log)
+    return AuditTrail(open_database(spec.state_dsn()), spec.audit_dir())
 
 
 def show_audit(trail: AuditTrail, decision_id: str) -> dict[str, Any]:

@@ -172,20 +172,23 @@ class FeedbackSpec(_Strict):
 
 class AuditSpec(_Strict):
     """The decision audit trail: every decision kept durably, off the request path
-    (:mod:`riskserve.audit`): one SQLite file (WAL) per ingress replica in ``path``, written by a
-    background thread in small batched transactions."""
+    (:mod:`riskserve.audit`): in the pipeline's state database (``state``), shipped in small batched
+    transactions by a background thread of each ingress replica from its journal on the node's disk."""
 
     enabled: bool = True
     """Keep the trail (``false``: decisions are not kept; the section documents where they would be)."""
     path: Path
-    """Directory of the trail (mode 0700; its files 0600: they hold the requests' input fields); a relative
-    path is relative to the YAML. Every ingress replica writing to it takes a slot file of its own."""
+    """Directory of the replicas' journals on each node's local disk (mode 0700; its files 0600: they hold
+    the requests' input fields): what is not shipped to the database yet. A relative path is relative to
+    the YAML. Every ingress replica on a node takes a slot of its own in it."""
     retention_days: float = Field(default=1825, gt=0)
     """Records older than this are purged, a few hundred rows per transaction."""
     buffer: int = Field(default=10_000, ge=1)
-    """Records an ingress replica holds in memory for the writer; past it they spill to the journal."""
+    """Records an ingress replica holds in memory for the writer; past it they stay only in the journal
+    (spilled) until the database takes records again."""
     flush_ms: float = Field(default=100, gt=0, le=10_000)
-    """The writer commits what is buffered this often (sooner when ``batch_rows`` are waiting)."""
+    """The writer ships what is buffered to the database this often (sooner when ``batch_rows`` are
+    waiting): about what a lost node loses."""
     batch_rows: int = Field(default=512, ge=1, le=100_000)
     """Records per write transaction at most, so the writer never holds the database long."""
     write_ahead: bool = True

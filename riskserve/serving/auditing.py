@@ -22,18 +22,23 @@ from riskserve.platform.metrics import AuditMetrics
 from riskserve.schema.pipeline import PipelineSpec
 from riskserve.schema.rules import Decision, ModelResult
 from riskserve.serving.reasons import Reason
+from riskserve.state.db import open_database
 
 __all__ = ["audit_records", "audit_writer"]
 
 
 def audit_writer(spec: PipelineSpec) -> AuditWriter | None:
-    """The started audit writer of an ingress replica, or ``None`` when the pipeline keeps no trail."""
+    """The started audit writer of an ingress replica, or ``None`` when the pipeline keeps no trail: it
+    ships to the pipeline's state database and buffers in ``audit.path`` on this node's disk. Nothing is
+    connected here, so a replica starts while the database is down (its records wait in the journal).
+    The caller closes ``writer.db`` after the writer."""
     audit = spec.audit
     if audit is None or not audit.enabled:
         return None
     metrics = AuditMetrics(spec.name)
     writer = AuditWriter(
         spec.audit_dir(),
+        open_database(spec.state_dsn()),
         buffer_rows=audit.buffer,
         flush_s=audit.flush_ms / 1e3,
         batch_rows=audit.batch_rows,
@@ -44,7 +49,7 @@ def audit_writer(spec: PipelineSpec) -> AuditWriter | None:
         on_count=metrics.records,
     )
     if spec.feedback is not None:
-        writer.layout(spec.features.column_names())  # kept in the slot before any record names it
+        writer.layout(spec.features.column_names())  # kept before any record names it
     return writer.start()
 
 

@@ -166,8 +166,9 @@ class PipelineIngress:
         await asyncio.shield(self._shadows.stop())
         for runner in self._runners.values():
             await asyncio.shield(runner.stop())
-        if self._audit is not None:  # after the drain: every answered decision is in the store
+        if self._audit is not None:  # after the drain: every answered decision shipped (or journaled)
             await asyncio.to_thread(self._audit.close)
+            await asyncio.to_thread(self._audit.db.close)  # opened for it by audit_writer
         await asyncio.to_thread(self._tracing.release)
 
     # -- health -------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """kill -9 of the ingress replica under steady load: every decision a client got an answer for is in the
 audit trail after the restart (write-ahead: on the journal before the answer left), none counted lost.
 
-The writer is made to commit rarely (``flush_ms: 10000``), so at the kill the dead replica still holds
+The writer is made to ship rarely (``flush_ms: 10000``), so at the kill the dead replica still holds
 answered decisions only in memory and on its journal: the hard case, not the lucky one. Real Ray Serve,
 real gRPC clients, a real SIGKILL (the fault injected), the replica restarted by Serve.
 """
@@ -21,6 +21,7 @@ import pytest
 from riskserve.audit import AuditTrail
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
+from riskserve.state.db import open_database
 
 from .conftest import ServeCluster, channel, deploy, pipeline_on, serving_pid
 
@@ -117,7 +118,9 @@ def test_kill_9_of_the_ingress_under_load_loses_no_answered_decision(
     handle = _ingress()
     assert handle.audit_flush.remote(30.0).result(timeout_s=60)  # type: ignore[attr-defined]
     counts = handle.audit_status.remote().result(timeout_s=60)  # type: ignore[attr-defined]
-    kept = {r["decision_id"] for r in AuditTrail(directory).records(0, 1e12)}
+    trail = AuditTrail(open_database(spec.state_dsn()), directory)  # the database and this node's journals
+    kept = {r["decision_id"] for r in trail.records(0, 1e12)}
+    trail.db.close()
     missing = load.acknowledged - kept
     print(
         f"answered {len(load.acknowledged)} ({before_kill} before the kill), failed calls {load.failed}, "

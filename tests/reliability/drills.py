@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from riskserve.audit import AuditTrail
+from riskserve.state.db import open_database
 
 from .flood import Flood
 from .harness import PIPELINE, fault_hang, fault_kill, fault_resume, replaced, replica_pids, wait_for
@@ -121,21 +122,27 @@ def kill_model_replica(
 
 
 def unrecorded(feedback_log: Path, report: Report) -> int:
-    """Decisions answered but absent from the audit trail the feedback log joins labels to (the harness
-    keeps it in ``audit/`` beside the log's ``feedback/``), once the replicas had time to commit (and
-    replay) what they had: read from its files (stores and journals) directly."""
+    """Decisions answered but absent from the audit trail the feedback log joins labels to, once the
+    replicas had time to ship (and replay) what they had: read from the state database (the embedded one of
+    ``riskserve up`` with ``RISKSERVE_STATE_DIR=<root>/state``: the harness's YAML names no DSN) and the
+    journals in ``audit/`` beside the log's ``feedback/``."""
     ids = {o.decision_id for o in report.of("Decide") if o.kind == DECISION}
     missing = ids
-    audit = feedback_log.parent.parent / "audit"
+    root = feedback_log.parent.parent
+    database = open_database(f"sqlite:///{root / 'state' / 'state' / PIPELINE}.sqlite")
+    trail = AuditTrail(database, root / "audit")
 
     def all_there() -> bool:
         nonlocal missing
-        have = {record["decision_id"] for record in AuditTrail(audit).records(0.0, 1e12)}
+        have = {record["decision_id"] for record in trail.records(0.0, 1e12)}
         missing = ids - have
         return not missing
 
-    with contextlib.suppress(AssertionError):
-        wait_for(all_there, 30, "every decision in the feedback log")
+    try:
+        with contextlib.suppress(AssertionError):
+            wait_for(all_there, 30, "every decision in the audit trail")
+    finally:
+        trail.db.close()
     return len(missing)
 
 

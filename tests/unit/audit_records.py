@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import numpy as np
 from numpy.typing import NDArray
 
 from riskserve.audit.store import AuditRecord, AuditStore, encode_row
+from riskserve.state.db import Database
 
 
 def record(i: int, decided_at: float = 1_700_000_000.0) -> AuditRecord:
@@ -62,16 +62,13 @@ def record(i: int, decided_at: float = 1_700_000_000.0) -> AuditRecord:
 
 
 class DecisionTrail:
-    """Decisions kept the way an ingress replica keeps them for the feedback log: audit records carrying
-    their encoded rows, in one slot's store of an audit directory (what the feedback log joins labels to)."""
+    """Decisions kept the way an ingress replica ships them for the feedback log: audit records carrying
+    their encoded rows, in the state database's audit tables (what the feedback log joins labels to)."""
 
-    def __init__(
-        self, directory: Path, *, clock: Callable[[], float] = time.time, slot: str = "slot-0"
-    ) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def __init__(self, db: Database, *, clock: Callable[[], float] = time.time) -> None:
+        self.db = db
         self.clock = clock
-        self.store = AuditStore(self.directory / f"{slot}.sqlite")
+        self.store = AuditStore(db)
 
     def keep(
         self,
@@ -105,5 +102,4 @@ class DecisionTrail:
         self.store.insert(records)
 
     def close(self) -> None:
-        """Close the slot's store."""
-        self.store.close()
+        """Nothing to release: the database is the caller's."""
