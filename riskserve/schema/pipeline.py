@@ -177,10 +177,11 @@ class AuditSpec(_Strict):
 
     enabled: bool = True
     """Keep the trail (``false``: decisions are not kept; the section documents where they would be)."""
-    path: Path
+    path: Path | None = None
     """Directory of the replicas' journals on each node's local disk (mode 0700; its files 0600: they hold
     the requests' input fields): what is not shipped to the database yet. A relative path is relative to
-    the YAML. Every ingress replica on a node takes a slot of its own in it."""
+    the YAML. Every ingress replica on a node takes a slot of its own in it. Default: ``journal/<pipeline>``
+    in the state directory of the node the replica runs on (``RISKSERVE_STATE_DIR`` where it started)."""
     retention_days: float = Field(default=1825, gt=0)
     """Records older than this are purged, a few hundred rows per transaction."""
     buffer: int = Field(default=10_000, ge=1)
@@ -613,6 +614,8 @@ class PipelineSpec(_Strict):
         """Absolute directory of the audit trail (the pipeline must have ``audit``)."""
         if self.audit is None:
             raise ConfigError(f"pipeline '{self.name}' has no audit section")
+        if self.audit.path is None:  # resolved in each process: each node's own disk
+            return default_state_dir() / "journal" / self.name
         return self._relative(self.audit.path)
 
     def state_dsn(self) -> str:
@@ -699,7 +702,7 @@ class PipelineSpec(_Strict):
             data["feedback"]["log_path"] = str(self.feedback_log_path())
             for name in self.online_models():
                 data["models"][name]["online"]["artifact_dir"] = str(self.learned_dir(name))
-        if self.audit is not None:
+        if self.audit is not None and self.audit.path is not None:
             data["audit"]["path"] = str(self.audit_dir())
         if self.state.dsn_file is not None:  # every process reads the secret itself
             data["state"]["dsn_file"] = str(self._relative(self.state.dsn_file))
