@@ -89,7 +89,7 @@ def test_replicas_report_and_age_out(state_dsn: str) -> None:
     live = store.replicas("p", seen_within_s=60)
     assert [(r.replica, r.generation, r.serving, r.error) for r in live] == [
         ("r1", 4, {"fraud": "c"}, ""),
-        ("r2", 2, {"fraud": "b"}, "no"),
+        ("r2", 2, {"fraud": "b"}, "refused"),
     ]
     store.forget("p", "r2")
     assert [r.replica for r in store.replicas("p", seen_within_s=60)] == ["r1"]
