@@ -5,8 +5,8 @@ One :meth:`OnlineLearner.step`:
 1. reads the labels after the model's cursor: a mini-batch of ``batch_size`` labels, or fewer once the
    oldest has waited ``interval_ms``;
 2. splits them: one label in ``holdout_every`` (chosen by an HMAC of its ``feedback_id`` under the
-   install's secret key, so a replay splits the same way and a caller cannot choose the split) is held out
-   for validation, the others train;
+   pipeline's secret key, so a replay, on any node, splits the same way and a caller cannot choose the
+   split) is held out for validation, the others train;
 3. runs ``partial_fit`` on a copy of the cursor's version and scales the step down to ``max_coef_step``
    (the L2 norm of the change to coefficients and intercept), so a burst of poisoned labels moves the
    model a bounded distance;
@@ -50,7 +50,6 @@ from pydantic import ConfigDict
 
 from riskserve.learning.feedback_log import Batch, Cursor, FeedbackLog
 from riskserve.platform.errors import ModelLoadError
-from riskserve.platform.secret import install_secret, secret_path
 from riskserve.schema.pipeline import OnlineLearningSpec
 from riskserve.wrappers.sklearn_model import (
     GOLDEN_FILE,
@@ -80,7 +79,8 @@ BatchOutcome = Literal["applied", "reverted", "held_out", "paused"]
 
 def is_holdout(feedback_id: str, every: int, key: bytes) -> bool:
     """Whether a label validates instead of training: one in ``every``, by an HMAC-SHA256 of its id under
-    the install's secret ``key`` (stable for a replay, unpredictable to whoever picks the id)."""
+    the pipeline's secret ``key`` (:meth:`FeedbackLog.holdout_key`: stable for a replay on any node,
+    unpredictable to whoever picks the id)."""
     if every <= 0:
         return False
     digest = hmac.new(key, feedback_id.encode(), hashlib.sha256).digest()
@@ -215,13 +215,13 @@ class OnlineLearner:
         clock: Callable[[], float] = time.time,
         holdout_key: bytes | None = None,
     ) -> None:
-        """``holdout_key``: the secret of the holdout split; default: the install secret beside the log."""
+        """``holdout_key``: the secret of the holdout split; default: the log's (the same on every node)."""
         self.log = log
         self.model = model
         self.settings = settings
         self.artifact_dir = Path(artifact_dir)
         self._clock = clock
-        self.holdout_key = holdout_key if holdout_key is not None else install_secret(secret_path(log.path))
+        self.holdout_key = holdout_key if holdout_key is not None else log.holdout_key()
         self._parent: LearnedVersion | None = None
         self._baseline: LearnedVersion | None = None
 

@@ -1,9 +1,11 @@
 """The feedback service: one Serve deployment per pipeline that owns its feedback log and learners.
 
-It is the only process that writes the SQLite file, and it reads the decisions the labels name from the
-pipeline's audit trail (the ingress replicas' slot files, read-only: the log keeps no copy of them; the
-feedback service and the ingress replicas therefore share a file system, as they did for the old crash
-journal of decisions). It admits labels (:class:`~riskserve.learning.admission.LabelAdmission`: rate
+Its feedback log lives in the pipeline's state database (``state.dsn``: a SQLite file on one machine,
+PostgreSQL on a cluster), with the learners' cursors and checkpoints and the holdout key, so the service
+can restart on any node and continue. It reads the decisions the labels name from the pipeline's audit
+trail (the ingress replicas' slot files, read-only: the log keeps no copy of them; the feedback service
+and the ingress replicas therefore share a file system, as they did for the old crash journal of
+decisions). It admits labels (:class:`~riskserve.learning.admission.LabelAdmission`: rate
 limits per source and for all sources, one label per decision, then a durable commit before the
 answer), and a background thread
 runs each online model's :class:`~riskserve.learning.learner.OnlineLearner` and publishes every new
@@ -29,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from riskserve.audit.lookup import DecisionLookup
 from riskserve.learning.admission import LabelAdmission
 from riskserve.learning.feedback_log import FeedbackLog
 from riskserve.learning.learner import BatchReport, OnlineLearner, load_version
@@ -38,9 +41,9 @@ from riskserve.operations.served import Source
 from riskserve.platform.errors import ConfigError, Conflict, ModelUnavailable
 from riskserve.platform.metrics import LearningMetrics
 from riskserve.platform.runner import ModelStatus
-from riskserve.platform.secret import install_secret, secret_path
 from riskserve.schema.deployments import INGRESS
 from riskserve.schema.pipeline import PipelineSpec
+from riskserve.state.db import open_database
 from riskserve.wrappers import BackendEntry, register_backend
 
 __all__ = ["FeedbackService"]
@@ -76,10 +79,10 @@ class FeedbackService:
         feedback = self._spec.feedback
         if feedback is None:
             raise ConfigError(f"pipeline '{self._spec.name}' has no feedback section")
-        path = self._spec.feedback_log_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
         self._log = FeedbackLog(
-            path, audit=self._spec.audit_dir(), retention_s=feedback.retention_hours * 3600
+            open_database(self._spec.state_dsn()),
+            lookup=DecisionLookup(self._spec.audit_dir()) if self._spec.audit is not None else None,
+            retention_s=feedback.retention_hours * 3600,
         )
         limiter = SourceRateLimiter(
             feedback.source_rate_per_s,
@@ -89,7 +92,7 @@ class FeedbackService:
         )
         self._metrics = LearningMetrics(self._spec.name)
         self._admission = LabelAdmission(self._log, limiter, self._metrics)
-        key = install_secret(secret_path(path))
+        key = self._log.holdout_key()  # the database's: every node splits labels alike
         self._ingress: Any = None
         self._learners: dict[str, OnlineLearner] = {}
         for name in self._spec.online_models():
@@ -218,7 +221,7 @@ class FeedbackService:
         return await asyncio.to_thread(self._status)
 
     def _status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"log": str(self._log.path), "pid": os.getpid(), "models": {}}
+        out: dict[str, Any] = {"log": self._log.location, "pid": os.getpid(), "models": {}}
         for name in self._learners:
             cursor = self._log.cursor(name)
             last = self._last_report.get(name)

@@ -29,6 +29,7 @@ from riskserve.audit.lookup import DecisionLookup
 from riskserve.audit.store import encode_row
 from riskserve.learning.feedback_log import FeedbackLog
 from riskserve.platform.metrics import AUDIT_RECORDS, AuditMetrics, recorded
+from riskserve.state.db import open_database
 
 from .audit_records import record
 
@@ -323,12 +324,15 @@ def test_export_writes_what_the_records_say_with_labels_joined(tmp_path: Path, f
     (tmp_path / "audit").mkdir()
     with AuditStore(tmp_path / "audit" / "slot-0.sqlite") as store:
         store.insert(records)
-    log_path = tmp_path / "feedback.sqlite"
-    # The learner's log: it takes labels for the trail's decisions; the export joins them back by id.
-    with FeedbackLog(log_path, audit=tmp_path / "audit", retention_s=1e10) as log:
+    state_path = tmp_path / "state.sqlite"
+    # The learner's log (in the pipeline's state database, an embedded SQLite file here): it takes labels
+    # for the trail's decisions; the export joins them back by id.
+    state = open_database(f"sqlite:///{state_path}")
+    with FeedbackLog(state, lookup=DecisionLookup(tmp_path / "audit"), retention_s=1e10) as log:
         log.record_feedback("", 1, "fb-3", "chargebacks", decision_id="d000003")
         log.record_feedback("", 0, "fb-4", "review", decision_id="d000004")
-    trail = AuditTrail(tmp_path / "audit", feedback_log=log_path)
+    state.close()
+    trail = AuditTrail(tmp_path / "audit", feedback_log=state_path)
     found = trail.records(records[5]["decided_at"], records[15]["decided_at"])
     assert [r["decision_id"] for r in trail.records(0, 1e12)] == [r["decision_id"] for r in records]
     chosen = trail.records(0, 1e12)
