@@ -2,7 +2,8 @@
 
 The trail is found from a pipeline: its YAML (``--pipeline deploy/pipelines/card_fraud.yaml``), the name of
 a pipeline the local ``riskserve up`` runs (``--pipeline card_fraud``; the only one when omitted), or a
-directory (``--dir``). Labels are joined from the pipeline's feedback log when it has one.
+directory (``--dir``). Labels are joined from the pipeline's feedback log when it has one and it is in an
+embedded SQLite state database (the trail's reader reads that file; a PostgreSQL state is not read yet).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from riskserve.audit.export import Format, to_table, write_table
 from riskserve.audit.trail import AuditTrail
@@ -68,8 +70,16 @@ def find_trail(pipeline: str | None = None, directory: Path | None = None) -> Au
     spec = _spec(pipeline)
     if spec.audit is None:
         raise ConfigError(f"pipeline '{spec.name}' keeps no audit trail (its YAML has no 'audit' section)")
-    log = spec.feedback_log_path() if spec.feedback is not None else None
-    return AuditTrail(spec.audit_dir(), feedback_log=log)
+    return AuditTrail(spec.audit_dir(), feedback_log=_labels_file(spec))
+
+
+def _labels_file(spec: PipelineSpec) -> Path | None:
+    """The SQLite file holding the pipeline's labels (its state database's ``feedback`` table), or ``None``:
+    no feedback, or a PostgreSQL state database, which the trail's file reader cannot open."""
+    if spec.feedback is None:
+        return None
+    dsn = urlsplit(spec.state_dsn())
+    return Path(dsn.path) if dsn.scheme == "sqlite" else None
 
 
 def show_audit(trail: AuditTrail, decision_id: str) -> dict[str, Any]:

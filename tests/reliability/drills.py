@@ -120,13 +120,12 @@ def kill_model_replica(
     return report, window
 
 
-def unrecorded(feedback_log: Path, report: Report) -> int:
-    """Decisions answered but absent from the audit trail the feedback log joins labels to (the harness
-    keeps it in ``audit/`` beside the log's ``feedback/``), once the replicas had time to commit (and
-    replay) what they had: read from its files (stores and journals) directly."""
+def unrecorded(audit: Path, report: Report) -> int:
+    """Decisions answered but absent from the audit trail ``audit`` the feedback log joins labels to, once
+    the replicas had time to commit (and replay) what they had: read from its files (stores and journals)
+    directly."""
     ids = {o.decision_id for o in report.of("Decide") if o.kind == DECISION}
     missing = ids
-    audit = feedback_log.parent.parent / "audit"
 
     def all_there() -> bool:
         nonlocal missing
@@ -145,7 +144,7 @@ def kill_ingress_replica(
     *,
     app: str = PIPELINE,
     seed: int = 2,
-    feedback_log: Path | None = None,
+    audit: Path | None = None,
     settle_s: float = SETTLE_S,
 ) -> tuple[Report, Window]:
     """``kill -9`` of one ingress replica under steady load, until Serve has replaced it (``settle_s`` of
@@ -177,8 +176,8 @@ def kill_ingress_replica(
         **_labels_kept(load, report),
         "recovery_s": round(window.ended - started, 1),
     }
-    if feedback_log is not None:  # what the killed replica had buffered was journaled and adopted
-        figures["decisions_unrecorded"] = missing = unrecorded(feedback_log, report)
+    if audit is not None:  # what the killed replica had buffered was journaled and adopted
+        figures["decisions_unrecorded"] = missing = unrecorded(audit, report)
         assert missing == 0, figures
     record_figures(f"kill_ingress_replica_of_{replicas}", figures)
     return report, window
