@@ -67,8 +67,8 @@ def plot_latency(out_dir: Path, name: str, series: dict[str, dict[int, float]], 
 
 def write_local_pipeline(data: dict[str, Any], models: Path, run_dir: Path, stem: str) -> Path:
     """A pipeline document made to run from a scratch directory: artifacts at absolute paths into
-    ``models``; its feedback log, audit trail, learned versions and traces under ``run_dir``, named from
-    ``stem``.
+    ``models``; its state database (the feedback log), audit trail, learned versions and traces under
+    ``run_dir``, named from ``stem``.
     Written as ``run_dir/STEM.yaml``, whose path is returned (a benchmark never writes into ``var/``)."""
     import yaml
 
@@ -76,8 +76,8 @@ def write_local_pipeline(data: dict[str, Any], models: Path, run_dir: Path, stem
         model["artifact"] = str((models / model_name).resolve())
         if model.get("online", {}).get("artifact_dir"):
             model["online"]["artifact_dir"] = str(run_dir / f"{stem}-learned" / model_name)
-    if "feedback" in data:
-        data["feedback"]["log_path"] = str(run_dir / f"{stem}-feedback.sqlite")
+    if "feedback" in data:  # labels, cursors and checkpoints: the pipeline's state database
+        data["state"] = {"dsn": f"sqlite:///{run_dir / f'{stem}-state.sqlite'}"}
     if "audit" in data:
         data["audit"]["path"] = str(run_dir / f"{stem}-audit")
     tracing = data.get("tracing", {})

@@ -106,9 +106,7 @@ VARIANTS: dict[str, Variant] = {
     # background thread): what keeping every decision costs.
     "tabular_audit": Variant("tabular_only", {}, add=(("audit", {"path": "audit"}),)),
     # ... and a feedback log (no model learns: what a learning pipeline's every decision costs to keep).
-    "tabular_learning": Variant(
-        "tabular_only", {}, add=(("audit", {"path": "audit"}), ("feedback", {"log_path": "feedback.sqlite"}))
-    ),
+    "tabular_learning": Variant("tabular_only", {}, add=(("audit", {"path": "audit"}), ("feedback", {}))),
     # Serve's adaptive batching on the intent model, two batches at once (BatchingSpec's default).
     "card_fraud_batched": Variant(
         "card_fraud",

@@ -350,7 +350,8 @@ def learning_spec(models: Path, log_dir: Path, batch_size: int) -> Any:
     for name, model in data["models"].items():
         model["artifact"] = str((models / name).resolve())
     data["models"][MODEL]["online"] = {"batch_size": batch_size, "interval_ms": 600_000}
-    data["feedback"] = {"log_path": str(log_dir / "feedback.sqlite"), "source_burst": 100_000, "num_cpus": 0}
+    data["feedback"] = {"source_burst": 100_000, "num_cpus": 0}
+    data["state"] = {"dsn": f"sqlite:///{log_dir / 'state.sqlite'}"}  # the labels' log, cursor, checkpoints
     data["audit"] = {"path": str(log_dir / "audit")}  # the decisions labels are joined to
     return parse_pipeline(data, base_dir=PIPELINES, source=LEARNING)
 

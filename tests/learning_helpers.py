@@ -12,12 +12,13 @@ import numpy as np
 from riskserve.client import RiskClient
 from riskserve.demo.dataset import generate_transactions
 from riskserve.features.encoder import FeatureEncoder, RawRequest
+from riskserve.learning.feedback_log import FeedbackLog
 from riskserve.learning.learner import is_holdout
 from riskserve.platform.errors import RiskServeError
 from riskserve.platform.runner import ModelStatus
-from riskserve.platform.secret import install_secret, secret_path
 from riskserve.proto.riskserve.v1 import risk_pipeline_pb2 as pb
 from riskserve.schema.pipeline import PipelineSpec
+from riskserve.state.db import open_database
 from riskserve.wrappers.sklearn_model import LinearSnapshot
 
 BATCH = 16
@@ -174,7 +175,7 @@ class Labels:
         rows = [self.encoder.validate(_raw(self.requests[r])) for r, _, _ in self.acked]
         matrix = self.encoder.encode(rows).matrix
         labels = np.array([label for _, _, label in self.acked], dtype=np.int64)
-        key = install_secret(secret_path(self.spec.feedback_log_path()))  # the service made it at start
+        key = _holdout_key(self.spec)
         train = np.array([not is_holdout(f, HOLDOUT_EVERY, key) for _, f, _ in self.acked])
         snapshot = base
         for start in range(0, len(self.acked), BATCH):
@@ -182,6 +183,15 @@ class Labels:
             keep = train[part]
             snapshot = reference_step(snapshot, matrix[part][keep], labels[part][keep], update_scaler=True)
         return snapshot.version
+
+
+def _holdout_key(spec: PipelineSpec) -> bytes:
+    """The holdout key the feedback service made in the pipeline's state database when it started."""
+    db = open_database(spec.state_dsn())
+    try:
+        return FeedbackLog(db).holdout_key()
+    finally:
+        db.close()
 
 
 def _raw(request: pb.DecideRequest) -> RawRequest:

@@ -42,11 +42,14 @@ def _pipeline_file(pipeline: Path, models: Path) -> Path:
     data = yaml.safe_load(pipeline.read_text())
     for name, model in data["models"].items():
         model["artifact"] = str((models / name).resolve())
-    if "feedback" in data:  # a fresh feedback log per demo run, so every run starts from the same models
-        log = state_dir() / "demo-feedback" / f"{data['name']}.sqlite"
-        if log.parent.exists():
-            shutil.rmtree(log.parent)
-        data["feedback"]["log_path"] = str(log)
+    if "feedback" in data:  # a fresh state (labels, cursors, learned versions) per demo run, so every run
+        fresh = state_dir() / "demo-state"  # starts from the same models
+        if fresh.exists():
+            shutil.rmtree(fresh)
+        data["state"] = {"dsn": f"sqlite:///{fresh / data['name']}.sqlite"}
+        for name, model in data["models"].items():
+            if "online" in model:
+                model["online"]["artifact_dir"] = str(fresh / "learned" / name)
     if "audit" in data:  # the trail stays where the YAML keeps it (``var/audit/``), across demo runs
         data["audit"]["path"] = str((pipeline.parent / data["audit"]["path"]).resolve())
     target = state_dir() / f"demo-{pipeline.name}"

@@ -1,28 +1,33 @@
-"""The durable, append-only feedback log that online learning reads: SQLite in WAL mode.
+"""The durable, append-only feedback log that online learning reads, in the pipeline's state database.
 
 A pipeline's ``Feedback(decision_id | request_id, label, feedback_id)`` RPC records the true outcome of a
-past decision. The log keeps labels, cursors, held-out labels and batch reports, and NO copy of the
-decisions: the pipeline's audit trail is the record of every decision (its records carry the encoded
-feature row the models saw), and a label is joined to its audit record by decision id
-(:class:`~riskserve.audit.lookup.DecisionLookup`), when it is recorded (the decision must exist, within
-``retention_s``) and when a learner reads it (the row it trains on). A decision is keyed by the id the
-SERVER issued it (``DecideResponse.decision_id``); the caller's ``request_id`` is kept beside it as a
-correlation id that need not be unique, so nobody can pre-empt another caller's decision by sending its
-``request_id`` first. A label naming only a ``request_id`` joins the one decision carrying it, and is
-refused as ambiguous when there are several. A learner reads the labels it has not applied yet
-(:meth:`FeedbackLog.pending`), runs ``partial_fit`` on them as one mini-batch and moves its cursor
-(:meth:`FeedbackLog.mark_applied`).
+past decision. The log keeps labels, cursors, held-out labels, batch reports, learner checkpoints and the
+holdout key, all in the pipeline's state database (:mod:`riskserve.state.db`: an embedded SQLite file on
+one machine, PostgreSQL on a cluster), so a feedback service or learner restarted on ANY node continues
+where the last one stopped. It keeps NO copy of the decisions: the pipeline's audit trail is the record of
+every decision (its records carry the encoded feature row the models saw), and a label is joined to its
+audit record by decision id (``lookup``: :class:`~riskserve.audit.lookup.DecisionLookup`), when it is
+recorded (the decision must exist, within ``retention_s``) and when a learner reads it (the row it trains
+on). A decision is keyed by the id the SERVER issued it (``DecideResponse.decision_id``); the caller's
+``request_id`` is kept beside it as a correlation id that need not be unique, so nobody can pre-empt
+another caller's decision by sending its ``request_id`` first. A label naming only a ``request_id`` joins
+the one decision carrying it, and is refused as ambiguous when there are several. A learner reads the
+labels it has not applied yet (:meth:`FeedbackLog.pending`), runs ``partial_fit`` on them as one
+mini-batch and moves its cursor (:meth:`FeedbackLog.mark_applied`).
 
-A log written before schema 4 has its own ``decisions`` table (the copy the ingress used to send): it is
-kept, read-only, as a second source of decisions, so labels recorded (or pending) before the upgrade keep
-their rows; its rows past retention are purged as before, and no new row is ever written to it.
+Durability. Every write is one :meth:`~riskserve.state.db.Database.transaction`, committed durably before
+it returns (the database's job: SQLite's WAL with ``synchronous=FULL``, PostgreSQL's commit).
+:meth:`FeedbackLog.record_feedback` returns only after its commit, so "acknowledged" implies "durable".
+``feedback_id`` is UNIQUE: a retried call, to this node or another, finds the committed row and answers
+``duplicate=True``.
 
-Durability. The connection runs ``journal_mode=WAL`` with ``synchronous=FULL``: every COMMIT fsyncs the
-WAL before it returns, so an acknowledged label survives ``kill -9`` *and* power loss (``NORMAL`` would
-survive a process crash but could lose the last commits on power loss). Both pragmas are read back after
-they are set; a file system that refuses WAL is a :class:`ConfigError`, not a silent downgrade.
-:meth:`FeedbackLog.record_feedback` returns only after its COMMIT, so "acknowledged" implies "durable".
-``feedback_id`` is UNIQUE: a retried call finds the committed row and answers ``duplicate=True``.
+One order of labels for every node. A label's ``seq`` is taken from a one-row counter
+(``feedback_seq``) in the label's own transaction. The counter's row lock makes label transactions take
+turns until they commit, so seqs become visible in order: a learner that has read seq ``n`` has seen every
+label below it. An auto-numbered column would not do on PostgreSQL: it hands numbers out at insert, and a
+transaction holding 5 may commit after one holding 6, so a learner that read 6 would skip 5 forever. The
+turn also makes "one label per decision" and "one row per ``feedback_id``" hold across nodes: each
+transaction checks them after the one before it committed. (SQLite serializes writers anyway.)
 
 Exactly once. Each model has one ``cursor(model, last_seq, version)`` row, a high-water mark over the
 ``feedback.seq`` order, rather than an ``applied(model, seq)`` row per label. The claim to prove is
@@ -32,8 +37,9 @@ it holds because of the order the learner follows:
 1. ``batch = pending(model)`` reads the labels ``(after_seq, last_seq]`` in seq order;
 2. ``partial_fit`` runs on a copy of the model at ``cursor.version``, giving a new state;
 3. the new state is saved durably as an artifact named by its content version;
-4. ``mark_applied(model, batch.last_seq, new_version, expected_last_seq=batch.after_seq)`` moves
-   ``last_seq`` *and* ``version`` in ONE transaction.
+4. ``mark_applied(model, batch.last_seq, new_version, expected_last_seq=batch.after_seq,
+   checkpoint=...)`` moves ``last_seq`` *and* ``version``, and stores the new version's checkpoint, in ONE
+   transaction.
 
 A crash before step 4 commits leaves the cursor at the old (last_seq, version): the new state is an
 orphan that nothing refers to, and the restarted learner loads ``cursor.version`` and replays the same
@@ -41,8 +47,16 @@ labels onto it, so they end up applied once in the lineage that survives. A cras
 leaves the new pair. There is no moment at which the version and the high-water mark disagree, which
 is what a separate "mark applied" step after publishing would allow. Serving should publish a learned
 version only after step 4 (or treat versions newer than the cursor as provisional). The mark is
-compare-and-set (``expected_last_seq``) so two learners, or a stale retry, cannot both advance it, and
-it refuses to move backwards or past the last recorded label.
+compare-and-set (``expected_last_seq``), checked under the cursor row's lock, so two learners (on two
+nodes), or a stale retry, cannot both advance it, and it refuses to move backwards or past the last
+recorded label.
+
+Checkpoints. The version a cursor names is also kept in the database (:class:`Checkpoint`: its
+parameters, feature names, golden rows and manifest notes, everything needed to rewrite its artifact),
+written in the same transaction that makes the cursor name it (:meth:`FeedbackLog.mark_applied`,
+:meth:`FeedbackLog.adopt`). A learner on a node whose disk lacks the cursor's artifact rebuilds it from
+there (:meth:`riskserve.learning.learner.OnlineLearner.restore`); the artifact is content-addressed, so
+the rebuilt one has the same version or is refused.
 
 Retention (:meth:`FeedbackLog.purge_expired`). A decision older than ``retention_s`` can no longer
 receive feedback (:class:`NotFound`). Its label (each label row keeps its decision's time) is deleted
@@ -52,6 +66,10 @@ nothing is deleted. A label row is only deleted once its decision is past retent
 taken for it any more, so a retry can never be counted twice. The audit trail's retention
 (``audit.retention_days``) must be at least as long (the pipeline schema checks it), and a label whose
 audit record is gone all the same (the trail was purged or removed) is skipped by the learner, logged.
+
+The holdout key (:meth:`FeedbackLog.holdout_key`), which keys the split of labels into training and
+validation, is created once in the database and read back, so every node splits alike; whoever can read
+the state database can read it (the SQLite file is mode 0600; guard a PostgreSQL role as such).
 """
 
 from __future__ import annotations
@@ -59,13 +77,10 @@ from __future__ import annotations
 import json
 import math
 import operator
-import sqlite3
-import threading
+import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
 
@@ -74,73 +89,97 @@ from numpy.typing import NDArray
 
 from riskserve.audit.lookup import DecisionLookup, DecisionRef, FeatureRow
 from riskserve.platform.errors import AlreadyExists, ConfigError, Conflict, InvalidInput, NotFound
-from riskserve.platform.sqlite_wal import install_schema, open_wal
+from riskserve.state.db import Database, Migration, Tx, redact
 
-__all__ = ["SCHEMA_VERSION", "Batch", "Cursor", "FeedbackAck", "FeedbackLog", "Window"]
+__all__ = [
+    "COMPONENT",
+    "MIGRATIONS",
+    "SCHEMA_VERSION",
+    "Batch",
+    "Checkpoint",
+    "Cursor",
+    "FeedbackAck",
+    "FeedbackLog",
+    "Window",
+]
 
-SCHEMA_VERSION: Final = 4
+COMPONENT: Final = "feedback"
+"""The log's name among the state database's components (its migrations are numbered under it)."""
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS feedback (
-    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
-    feedback_id TEXT NOT NULL UNIQUE,
-    request_id  TEXT NOT NULL,       -- the decision id the server issued (named so since schema 1)
-    label       INTEGER NOT NULL CHECK (label IN (0, 1)),
-    source      TEXT NOT NULL,
-    received_at REAL NOT NULL,
-    caller_id   TEXT,                -- the decision's caller request_id: a correlation id, not unique
-    decided_at  REAL                 -- when the decision was made (retention)
-);
-CREATE INDEX IF NOT EXISTS feedback_request_id ON feedback (request_id);
-CREATE TABLE IF NOT EXISTS cursor (
-    model      TEXT PRIMARY KEY,
-    last_seq   INTEGER NOT NULL CHECK (last_seq >= 0),
-    version    TEXT,
-    updated_at REAL NOT NULL,
-    artifact   TEXT,
-    baseline   TEXT,
-    paused     TEXT
-);
-CREATE TABLE IF NOT EXISTS holdout (
-    model TEXT NOT NULL,
-    seq   INTEGER NOT NULL,
-    PRIMARY KEY (model, seq)
-);
-CREATE TABLE IF NOT EXISTS batches (
-    model      TEXT NOT NULL,
-    last_seq   INTEGER NOT NULL,
-    after_seq  INTEGER NOT NULL,
-    version    TEXT NOT NULL,
-    report     TEXT NOT NULL,
-    applied_at REAL NOT NULL,
-    PRIMARY KEY (model, last_seq)
-);
-"""
-_MIGRATIONS: Final = {
-    # 1 -> 2: the cursor names the artifact of its version; held-out labels and batch reports are kept.
-    1: ["ALTER TABLE cursor ADD COLUMN artifact TEXT"],
-    # 2 -> 3: the served baseline a model's drift is measured from, and why its learning is paused.
-    # ... and the caller's request_id beside the server-issued decision id (old rows: the same id).
-    2: [
-        "ALTER TABLE cursor ADD COLUMN baseline TEXT",
-        "ALTER TABLE cursor ADD COLUMN paused TEXT",
-        "ALTER TABLE decisions ADD COLUMN caller_id TEXT",
-        "UPDATE decisions SET caller_id = request_id",
-        "CREATE INDEX IF NOT EXISTS decisions_caller_id ON decisions (caller_id)",
-    ],
-    # 3 -> 4: decisions live in the audit trail; each label keeps its decision's caller id and time, and
-    # the old ``decisions`` table stays, read-only, as a fallback source (its foreign key goes unenforced).
-    3: [
-        "ALTER TABLE feedback ADD COLUMN caller_id TEXT",
-        "ALTER TABLE feedback ADD COLUMN decided_at REAL",
-        "UPDATE feedback SET caller_id = (SELECT d.caller_id FROM decisions AS d"
-        " WHERE d.request_id = feedback.request_id), decided_at = (SELECT d.decided_at FROM decisions AS d"
-        " WHERE d.request_id = feedback.request_id)",
-    ],
-}
-_INDEXES: Final = ["CREATE INDEX IF NOT EXISTS feedback_decided_at ON feedback (decided_at)"]
-"""Created after the migrations (they may add the indexed columns)."""
+MIGRATIONS: Final = (
+    Migration(
+        1,
+        """
+        CREATE TABLE feedback (
+            seq         BIGINT PRIMARY KEY,
+            feedback_id TEXT NOT NULL UNIQUE,
+            request_id  TEXT NOT NULL,
+            label       BIGINT NOT NULL CHECK (label IN (0, 1)),
+            source      TEXT NOT NULL,
+            received_at DOUBLE PRECISION NOT NULL,
+            caller_id   TEXT NOT NULL,
+            decided_at  DOUBLE PRECISION NOT NULL
+        );
+        CREATE UNIQUE INDEX feedback_request_id ON feedback (request_id);
+        CREATE INDEX feedback_decided_at ON feedback (decided_at);
+        CREATE TABLE feedback_seq (
+            id       BIGINT PRIMARY KEY CHECK (id = 1),
+            last_seq BIGINT NOT NULL
+        );
+        INSERT INTO feedback_seq (id, last_seq) VALUES (1, 0);
+        CREATE TABLE cursor (
+            model            TEXT PRIMARY KEY,
+            last_seq         BIGINT NOT NULL CHECK (last_seq >= 0),
+            version          TEXT,
+            updated_at       DOUBLE PRECISION NOT NULL,
+            artifact         TEXT,
+            baseline         TEXT,
+            baseline_version TEXT,
+            paused           TEXT
+        );
+        CREATE TABLE holdout (
+            model TEXT NOT NULL,
+            seq   BIGINT NOT NULL,
+            PRIMARY KEY (model, seq)
+        );
+        CREATE TABLE batches (
+            model      TEXT NOT NULL,
+            last_seq   BIGINT NOT NULL,
+            after_seq  BIGINT NOT NULL,
+            version    TEXT NOT NULL,
+            report     TEXT NOT NULL,
+            applied_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (model, last_seq)
+        );
+        CREATE TABLE checkpoints (
+            n             {id},
+            model         TEXT NOT NULL,
+            version       TEXT NOT NULL,
+            params        TEXT NOT NULL,
+            feature_names TEXT NOT NULL,
+            golden        {blob} NOT NULL,
+            info          TEXT NOT NULL,
+            saved_at      DOUBLE PRECISION NOT NULL,
+            UNIQUE (model, version)
+        );
+        CREATE TABLE feedback_keys (
+            name   TEXT PRIMARY KEY,
+            secret {blob} NOT NULL
+        )
+        """,
+    ),
+)
+"""The log's tables. ``feedback`` keeps the names and columns it has always had (the audit trail's reader
+joins labels with ``SELECT request_id, label, source, received_at, feedback_id FROM feedback``); the
+decision id is in ``request_id`` (so named since the log's first schema), the caller's in ``caller_id``."""
+
+SCHEMA_VERSION: Final = MIGRATIONS[-1].version
+"""The log's schema version in the state database (component :data:`COMPONENT`)."""
+
+_HOLDOUT_KEY: Final = "holdout"
+_KEY_BYTES: Final = 32
+_CHUNK: Final = 500
+"""Ids per ``IN (...)`` list."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +211,26 @@ class Cursor:
     model's total drift is measured from it."""
     paused: str = ""
     """Why learning is paused ('' when it is not): the drift bound was reached; adopting a version resumes."""
+    baseline_version: str | None = None
+    """The baseline's content version (its checkpoint's key: a node without ``baseline`` rebuilds it)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """One version's state, enough to rewrite its artifact on any node: ``save_sklearn_artifact`` of the
+    snapshot ``params`` describe, with these feature names, golden rows and manifest notes, writes the
+    same files (and so the same content version) as the artifact the learner wrote or adopted."""
+
+    version: str
+    """The content version; the hash of ``params`` must give it back."""
+    params: str
+    """The artifact's ``params.json`` verbatim (canonical JSON: coefficients, intercept, scaler, classes,
+    hyperparameters, step count, parent)."""
+    feature_names: tuple[str, ...]
+    golden_x: NDArray[np.float32]
+    """``(rows, len(feature_names))`` golden rows (stored as little-endian float32 bytes: exact)."""
+    info: dict[str, Any]
+    """The manifest's ``info`` (``parent`` included), so the rewritten manifest is the same."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -217,88 +276,38 @@ class Batch:
 
 
 class FeedbackLog:
-    """One SQLite file of labels and per-model cursors, joined to the audit trail in ``audit`` (the
-    pipeline's audit directory; ``None``: only a pre-schema-4 log's own decisions); thread-safe.
+    """A pipeline's labels, per-model cursors and checkpoints in its state database ``db``, joined to the
+    decisions ``lookup`` finds (the pipeline's audit trail; ``None``: no decision is known, so every label
+    is refused as not found); thread-safe, and any number of instances (processes, nodes) may share ``db``.
 
-    Several processes may open the same file (WAL allows concurrent readers and one writer; writers wait
-    up to ``busy_timeout_s``). Every write is one ``BEGIN IMMEDIATE`` ... ``COMMIT`` transaction.
+    The log owns ``lookup`` (:meth:`close` closes it), not ``db``: one database is shared by everything of
+    the pipeline in a process.
     """
 
     def __init__(
         self,
-        path: Path,
+        db: Database,
         *,
-        audit: Path | None = None,
+        lookup: DecisionLookup | None = None,
         retention_s: float = 7 * 24 * 3600,
         clock: Callable[[], float] = time.time,
-        busy_timeout_s: float = 5.0,
     ) -> None:
         if not (math.isfinite(retention_s) and retention_s > 0):
             raise InvalidInput(f"must be positive seconds, got {retention_s}", field="retention_s")
-        self.path = Path(path)
+        self.db = db
+        self.decisions = lookup
         self.retention_s = float(retention_s)
         self._clock = clock
-        self._lock = threading.Lock()
-        self.decisions = DecisionLookup(audit) if audit is not None else None
-        self._legacy = False
-        """Whether the file has the ``decisions`` table of schema 1-3 (read-only)."""
-        # Each write below opens its own transaction explicitly; FULL: fsync the WAL on every commit.
-        self._db = open_wal(self.path, busy_timeout_s=busy_timeout_s, synchronous="FULL")
-        try:
-            self._configure()
-        except BaseException:
-            self._db.close()
-            raise
+        self._key: bytes | None = None
+        db.migrate(COMPONENT, MIGRATIONS)
 
-    def _configure(self) -> None:
-        if self.pragma("synchronous") != 2:  # 2 == FULL: fsync the WAL on every commit
-            raise ConfigError(f"{self.path}: SQLite did not accept synchronous=FULL")
-        with self._write() as cur:  # schema and its version in one transaction: racing openers agree
-            legacy = _table_exists(cur, "decisions")
-
-            def applies(statement: str) -> bool:
-                if "decisions" in statement and not legacy:
-                    return False  # a file that never held a decision (this schema no longer makes the table)
-                return not _column_exists(cur, statement)  # a table the schema just created has it
-
-            install_schema(
-                cur,
-                path=self.path,
-                schema=_SCHEMA,
-                version=SCHEMA_VERSION,
-                migrations=_MIGRATIONS,
-                indexes=_INDEXES,
-                label="schema version",
-                applies=applies,
-            )
-            self._legacy = _table_exists(cur, "decisions")
-
-    # -- plumbing ---------------------------------------------------------------------------------
-
-    def pragma(self, name: str) -> Any:
-        """Read one PRAGMA (``journal_mode``, ``synchronous``, ...) as SQLite reports it now."""
-        if not name.isidentifier():
-            raise InvalidInput(f"not a pragma name: {name!r}", field="name")
-        with self._lock:
-            return self._db.execute(f"PRAGMA {name}").fetchone()[0]
-
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Cursor]:
-        """One write transaction: COMMIT (fsynced) on success, ROLLBACK on any exception."""
-        with self._lock:
-            cur = self._db.cursor()
-            cur.execute("BEGIN IMMEDIATE")
-            try:
-                yield cur
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
-            cur.execute("COMMIT")
+    @property
+    def location(self) -> str:
+        """Where the log is, as it may be shown: the state database's DSN without its password."""
+        return redact(self.db.dsn)
 
     def close(self) -> None:
-        """Close the connection (the last one to close checkpoints the WAL into the main file)."""
-        with self._lock:
-            self._db.close()
+        """Close the decision lookup (the database stays open: it is shared)."""
         if self.decisions is not None:
             self.decisions.close()
 
@@ -310,13 +319,40 @@ class FeedbackLog:
     ) -> None:
         self.close()
 
+    def __repr__(self) -> str:
+        return f"FeedbackLog({self.location!r})"
+
+    # -- the holdout key --------------------------------------------------------------------------
+
+    def holdout_key(self) -> bytes:
+        """The secret key of the holdout split, the same for every node: created once (32 random bytes;
+        the first writer wins, ``ON CONFLICT DO NOTHING``) and read back.
+
+        Raises:
+            ConfigError: the stored key is not 32 bytes (not one riskserve wrote).
+        """
+        if self._key is None:
+            with self.db.transaction() as tx:
+                tx.execute(
+                    "INSERT INTO feedback_keys (name, secret) VALUES (?, ?) ON CONFLICT (name) DO NOTHING",
+                    (_HOLDOUT_KEY, secrets.token_bytes(_KEY_BYTES)),
+                )
+                row = tx.one("SELECT secret FROM feedback_keys WHERE name = ?", (_HOLDOUT_KEY,))
+            key = bytes(row[0]) if row is not None else b""
+            if len(key) != _KEY_BYTES:
+                raise ConfigError(
+                    f"{self.location}: the holdout key holds {len(key)} bytes, not {_KEY_BYTES}; delete its "
+                    "feedback_keys row to make a new one (the split of labels changes)"
+                )
+            self._key = key
+        return self._key
+
     # -- decisions and feedback -------------------------------------------------------------------
 
     def seen(self, feedback_id: str) -> bool:
         """Whether ``feedback_id`` is already in the log (a retry is answered without rate limiting)."""
-        with self._lock:
-            row = self._db.execute("SELECT 1 FROM feedback WHERE feedback_id = ?", (feedback_id,)).fetchone()
-        return row is not None
+        with self.db.transaction() as tx:
+            return tx.one("SELECT 1 FROM feedback WHERE feedback_id = ?", (feedback_id,)) is not None
 
     def record_feedback(
         self, request_id: str, label: int, feedback_id: str, source: str = "", *, decision_id: str = ""
@@ -331,7 +367,8 @@ class FeedbackLog:
         and is not compared. A decision takes at most ONE label: a later label for it with the same value
         (under another ``feedback_id``) is answered as a duplicate of the first (nothing is added), one
         with the other value is refused. So nobody can outvote a label by repeating or flipping it; a real
-        correction is an operator's job, not an API call.
+        correction is an operator's job, not an API call. All of this holds across the nodes sharing the
+        database: the checks run in the label's turn (see the module's docstring).
 
         Raises:
             InvalidInput: ``label`` not 0 or 1, empty ids, a ``request_id`` that several decisions carry
@@ -339,6 +376,7 @@ class FeedbackLog:
             Conflict: ``feedback_id`` was already used for a different decision or label.
             AlreadyExists: the decision already has a label with the other value.
             NotFound: no such decision was recorded, or it is past retention.
+            StoreUnavailable: the state database cannot be reached (nothing was recorded: retry).
         """
         if not decision_id:
             _require_text(request_id, "request_id")
@@ -355,67 +393,70 @@ class FeedbackLog:
             raise InvalidInput(f"must be 0 or 1, got {label!r}", field="label") from None
         if value not in (0, 1):
             raise InvalidInput(f"must be 0 or 1, got {label!r}", field="label")
+        with self.db.transaction() as tx:  # a retry is answered without looking the decision up
+            retry = self._retry(tx, feedback_id, request_id, decision_id, value)
+        if retry is not None:
+            return retry
+        # The lookup reads the audit trail, outside the database: not while holding the label turn.
         now = self._clock()
         named = decision_id or request_id
-        with self._write() as cur:
-            seen = cur.execute(
-                "SELECT seq, request_id, label, caller_id FROM feedback WHERE feedback_id = ?",
-                (feedback_id,),
-            ).fetchone()
-            if seen is not None:
-                same = seen[1] == decision_id if decision_id else request_id in (seen[1], seen[3])
-                if not same or seen[2] != value:
-                    raise Conflict(
-                        f"feedback '{feedback_id}' was recorded for decision '{seen[1]}' with label {seen[2]}"
-                    )
-                return FeedbackAck(accepted=True, duplicate=True, seq=int(seen[0]))
-            decided = self._find(cur, decision_id) if decision_id else self._decision_of(cur, request_id)
-            if decided is None or decided.decided_at < now - self.retention_s:
-                raise NotFound(f"no decision '{named}' is kept (never recorded or past retention)")
-            key = decided.decision_id
-            if decision_id and request_id and request_id not in (decided.request_id, key):
-                raise InvalidInput(
-                    f"decision '{decision_id}' was not made for request '{request_id}'", field="request_id"
-                )
-            first = cur.execute(
-                "SELECT seq, label FROM feedback WHERE request_id = ? ORDER BY seq LIMIT 1", (key,)
-            ).fetchone()
+        decided = self._find(decision_id) if decision_id else self._decision_of(request_id)
+        if decided is None or decided.decided_at < now - self.retention_s:
+            raise NotFound(f"no decision '{named}' is kept (never recorded or past retention)")
+        key = decided.decision_id
+        if decision_id and request_id and request_id not in (decided.request_id, key):
+            raise InvalidInput(
+                f"decision '{decision_id}' was not made for request '{request_id}'", field="request_id"
+            )
+        with self.db.transaction() as tx:
+            turn = tx.one("UPDATE feedback_seq SET last_seq = last_seq + 1 WHERE id = 1 RETURNING last_seq")
+            assert turn is not None, "migration 1 writes the counter's one row"
+            seq = int(turn[0])
+            # Checked again in the turn: a call to another node may have recorded it since.
+            retry = self._retry(tx, feedback_id, request_id, decision_id, value)
+            if retry is not None:
+                return retry
+            first = tx.one("SELECT seq, label FROM feedback WHERE request_id = ?", (key,))
             if first is not None:
                 if int(first[1]) != value:
                     raise AlreadyExists(
                         f"decision '{named}' already has label {first[1]}; a decision takes one label"
                     )
                 return FeedbackAck(accepted=True, duplicate=True, seq=int(first[0]))
-            cur.execute(
+            tx.execute(
                 "INSERT INTO feedback"
-                " (feedback_id, request_id, label, source, received_at, caller_id, decided_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (feedback_id, key, value, source, now, decided.request_id, decided.decided_at),
+                " (seq, feedback_id, request_id, label, source, received_at, caller_id, decided_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (seq, feedback_id, key, value, source, now, decided.request_id, decided.decided_at),
             )
-            seq = cur.lastrowid
-        assert seq is not None
-        return FeedbackAck(accepted=True, duplicate=False, seq=int(seq))
+        return FeedbackAck(accepted=True, duplicate=False, seq=seq)
 
-    def _find(self, cur: sqlite3.Cursor, decision_id: str) -> DecisionRef | None:
-        """The decision with this id: in the audit trail, else in the log's own pre-schema-4 table."""
-        found = self.decisions.find(decision_id) if self.decisions is not None else None
-        if found is None and self._legacy:
-            row = cur.execute(
-                "SELECT request_id, decided_at, caller_id FROM decisions WHERE request_id = ?", (decision_id,)
-            ).fetchone()
-            if row is not None:
-                found = DecisionRef(str(row[0]), float(row[1]), str(row[2] or row[0]))
-        return found
+    @staticmethod
+    def _retry(tx: Tx, feedback_id: str, request_id: str, decision_id: str, value: int) -> FeedbackAck | None:
+        """The answer to a retry of a recorded ``feedback_id`` (``None``: not recorded yet).
 
-    def _decision_of(self, cur: sqlite3.Cursor, request_id: str) -> DecisionRef:
+        Raises:
+            Conflict: it was recorded for another decision or label.
+        """
+        seen = tx.one(
+            "SELECT seq, request_id, label, caller_id FROM feedback WHERE feedback_id = ?", (feedback_id,)
+        )
+        if seen is None:
+            return None
+        same = seen[1] == decision_id if decision_id else request_id in (seen[1], seen[3])
+        if not same or int(seen[2]) != value:
+            raise Conflict(
+                f"feedback '{feedback_id}' was recorded for decision '{seen[1]}' with label {seen[2]}"
+            )
+        return FeedbackAck(accepted=True, duplicate=True, seq=int(seen[0]))
+
+    def _find(self, decision_id: str) -> DecisionRef | None:
+        """The decision with this id, as the lookup finds it."""
+        return self.decisions.find(decision_id) if self.decisions is not None else None
+
+    def _decision_of(self, request_id: str) -> DecisionRef:
         """The one decision whose caller's request_id is ``request_id`` (an older client's label)."""
         found = {r.decision_id: r for r in (self.decisions.by_request(request_id) if self.decisions else [])}
-        if len(found) < 2 and self._legacy:
-            for row in cur.execute(
-                "SELECT request_id, decided_at, caller_id FROM decisions WHERE caller_id = ? LIMIT 2",
-                (request_id,),
-            ):
-                found.setdefault(str(row[0]), DecisionRef(str(row[0]), float(row[1]), str(row[2])))
         if not found:
             raise NotFound(f"no decision '{request_id}' is kept (never recorded or past retention)")
         if len(found) > 1:
@@ -427,93 +468,91 @@ class FeedbackLog:
         return next(iter(found.values()))
 
     def _rows(self, decision_ids: Sequence[str]) -> dict[str, FeatureRow]:
-        """The feature row of each decision: from the audit trail, else the log's pre-schema-4 table."""
-        rows = self.decisions.rows(decision_ids) if self.decisions is not None else {}
-        missing = [i for i in dict.fromkeys(decision_ids) if i not in rows]
-        if missing and self._legacy:
-            with self._lock:
-                for start in range(0, len(missing), 500):
-                    chunk = missing[start : start + 500]
-                    marks = ",".join("?" * len(chunk))
-                    for decision_id, blob, layout in self._db.execute(
-                        f"SELECT request_id, features, columns FROM decisions WHERE request_id IN ({marks})",
-                        chunk,
-                    ):
-                        rows[str(decision_id)] = FeatureRow(tuple(json.loads(layout)), bytes(blob))
-        return rows
+        """The feature row of each decision the lookup still has."""
+        return self.decisions.rows(decision_ids) if self.decisions is not None else {}
 
     # -- learners ---------------------------------------------------------------------------------
 
     def cursor(self, model: str) -> Cursor:
         """Where ``model`` stands: the last applied seq and the version that holds those labels."""
         _require_text(model, "model")
-        with self._lock:
-            return self._cursor_in(self._db.cursor(), model)
+        with self.db.transaction() as tx:
+            return self._cursor_in(tx, model)
 
-    def adopt(self, model: str, version: str, artifact: str) -> Cursor:
+    def adopt(
+        self, model: str, version: str, artifact: str, *, checkpoint: Checkpoint | None = None
+    ) -> Cursor:
         """Make ``version`` (at ``artifact``) the one later labels are applied to, without moving the
         high-water mark: a swap or the first version a learner sees. Labels already applied stay applied.
 
         The adopted version is also the new served baseline (drift is measured from it) and a paused
         model resumes: adopting is the operator's (or the YAML's) word on what should serve.
+        ``checkpoint`` (``version``'s state) is stored in the same commit, so any node can rebuild it.
         """
         _require_text(model, "model")
         _require_text(version, "version")
         _require_text(artifact, "artifact")
-        with self._write() as cur:
-            cur.execute(
-                "INSERT INTO cursor (model, last_seq, version, updated_at, artifact, baseline, paused)"
-                " VALUES (?, 0, ?, ?, ?, ?, NULL) ON CONFLICT (model) DO UPDATE SET"
+        _check_checkpoint(checkpoint, version)
+        with self.db.transaction() as tx:
+            tx.execute(
+                "INSERT INTO cursor"
+                " (model, last_seq, version, updated_at, artifact, baseline, baseline_version, paused)"
+                " VALUES (?, 0, ?, ?, ?, ?, ?, NULL) ON CONFLICT (model) DO UPDATE SET"
                 " version = excluded.version, artifact = excluded.artifact, updated_at = excluded.updated_at,"
-                " baseline = excluded.baseline, paused = NULL",
-                (model, version, self._clock(), artifact, artifact),
+                " baseline = excluded.baseline, baseline_version = excluded.baseline_version, paused = NULL",
+                (model, version, self._clock(), artifact, artifact, version),
             )
-        return self.cursor(model)
+            if checkpoint is not None:
+                self._save_checkpoint(tx, model, checkpoint)
+            return self._cursor_in(tx, model)
 
     def set_baseline(self, model: str, artifact: str) -> Cursor:
-        """Name the served baseline of ``model`` where none is recorded yet (a log from before drift
-        bounds: its current version becomes the baseline). A recorded baseline is kept."""
+        """Name the served baseline of ``model`` where none is recorded yet (a cursor moved without an
+        adoption: its current version becomes the baseline). A recorded baseline is kept."""
         _require_text(artifact, "artifact")
-        with self._write() as cur:
-            cur.execute(
-                "UPDATE cursor SET baseline = ? WHERE model = ? AND baseline IS NULL", (artifact, model)
+        with self.db.transaction() as tx:
+            tx.execute(
+                "UPDATE cursor SET baseline = ?, baseline_version = version"
+                " WHERE model = ? AND baseline IS NULL",
+                (artifact, model),
             )
-        return self.cursor(model)
+            return self._cursor_in(tx, model)
 
     def pause(self, model: str, reason: str) -> Cursor:
         """Stop applying labels to ``model`` (its pending labels stay in the log) and say why."""
         _require_text(reason, "reason")
-        with self._write() as cur:
-            cur.execute(
+        with self.db.transaction() as tx:
+            changed = tx.execute(
                 "UPDATE cursor SET paused = ?, updated_at = ? WHERE model = ?", (reason, self._clock(), model)
             )
-            if cur.rowcount == 0:
+            if changed == 0:
                 raise NotFound(f"model '{model}' has no cursor to pause")
-        return self.cursor(model)
+            return self._cursor_in(tx, model)
 
     def pending_count(self, model: str) -> int:
         """How many labels ``model`` has not applied yet."""
-        with self._lock:
-            row = self._db.execute(
+        with self.db.transaction() as tx:
+            row = tx.one(
                 "SELECT COUNT(*) FROM feedback"
                 " WHERE seq > COALESCE((SELECT last_seq FROM cursor WHERE model = ?), 0)",
                 (model,),
-            ).fetchone()
-        return int(row[0])
+            )
+        return int(row[0]) if row is not None else 0
 
     def holdout_window(self, model: str, columns: Sequence[str], limit: int) -> Window:
         """The ``limit`` most recent labels held out for ``model`` whose decisions have ``columns``."""
         wanted = tuple(columns)
         picked: list[tuple[int, int, FeatureRow]] = []
-        before = None
+        before: int | None = None
         while len(picked) < limit:  # most recent first, a page at a time, until enough have the columns
-            with self._lock:
-                rows = self._db.execute(
+            page = "" if before is None else " AND h.seq < ?"
+            with self.db.transaction() as tx:
+                rows = tx.query(
                     "SELECT f.seq, f.label, f.request_id FROM holdout AS h"
-                    " JOIN feedback AS f ON f.seq = h.seq WHERE h.model = ? AND (? IS NULL OR h.seq < ?)"
+                    f" JOIN feedback AS f ON f.seq = h.seq WHERE h.model = ?{page}"
                     " ORDER BY h.seq DESC LIMIT ?",
-                    (model, before, before, limit),
-                ).fetchall()
+                    (model, limit) if before is None else (model, before, limit),
+                )
             if not rows:
                 break
             found = self._rows([str(r[2]) for r in rows])
@@ -534,21 +573,20 @@ class FeedbackLog:
 
     def batch_reports(self, model: str) -> list[dict[str, Any]]:
         """What each applied mini-batch of ``model`` did, in order (written with its cursor move)."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT report FROM batches WHERE model = ? ORDER BY last_seq", (model,)
-            ).fetchall()
+        with self.db.transaction() as tx:
+            rows = tx.query("SELECT report FROM batches WHERE model = ? ORDER BY last_seq", (model,))
         return [json.loads(r[0]) for r in rows]
 
     def register_model(self, model: str) -> Cursor:
         """Make ``model`` known (cursor at 0 if new) so purging keeps the labels it has not applied."""
         _require_text(model, "model")
-        with self._write() as cur:
-            cur.execute(
-                "INSERT OR IGNORE INTO cursor (model, last_seq, version, updated_at) VALUES (?, 0, NULL, ?)",
+        with self.db.transaction() as tx:
+            tx.execute(
+                "INSERT INTO cursor (model, last_seq, version, updated_at) VALUES (?, 0, NULL, ?)"
+                " ON CONFLICT (model) DO NOTHING",
                 (model, self._clock()),
             )
-        return self.cursor(model)
+            return self._cursor_in(tx, model)
 
     def pending(self, model: str, limit: int = 256) -> Batch:
         """Up to ``limit`` labels after ``model``'s cursor with their decision features, in seq order.
@@ -561,19 +599,16 @@ class FeedbackLog:
         _require_text(model, "model")
         if not isinstance(limit, int) or limit < 1:
             raise InvalidInput(f"must be a positive integer, got {limit!r}", field="limit")
-        with self._lock:
-            # One read transaction, so the cursor and the labels come from the same snapshot.
-            self._db.execute("BEGIN")
-            try:
-                row = self._db.execute("SELECT last_seq FROM cursor WHERE model = ?", (model,)).fetchone()
-                after = 0 if row is None else int(row[0])
-                rows = self._db.execute(
-                    "SELECT seq, feedback_id, label, request_id, received_at FROM feedback"
-                    " WHERE seq > ? ORDER BY seq LIMIT ?",
-                    (after, limit),
-                ).fetchall()
-            finally:
-                self._db.execute("COMMIT")
+        with self.db.transaction() as tx:
+            row = tx.one("SELECT last_seq FROM cursor WHERE model = ?", (model,))
+            after = 0 if row is None else int(row[0])
+            rows = tx.query(
+                "SELECT seq, feedback_id, label, request_id, received_at FROM feedback"
+                " WHERE seq > ? ORDER BY seq LIMIT ?",
+                (after, limit),
+            )
+        # The cursor may move after this read (another learner): mark_applied's compare-and-set on
+        # ``after`` refuses this batch then, so labels read here are never applied twice.
         found = self._rows([str(r[3]) for r in rows])
         kept: list[tuple[int, str, int, float, FeatureRow]] = []
         unjoined: list[str] = []
@@ -624,14 +659,17 @@ class FeedbackLog:
         artifact: str | None = None,
         holdout_seqs: Sequence[int] = (),
         report: dict[str, Any] | None = None,
+        checkpoint: Checkpoint | None = None,
     ) -> Cursor:
         """Record that ``version`` holds every label up to ``last_seq``: cursor and version in ONE commit.
 
         Repeating the current (``last_seq``, ``version``) is a no-op, so a retried mark is harmless.
         Pass ``expected_last_seq=batch.after_seq`` to prove no label was skipped: the mark then applies
         only if the cursor is still where the batch was read. ``artifact`` (where ``version`` is),
-        ``holdout_seqs`` (labels of the batch held out for validation) and ``report`` (what the batch
-        did) are written in the same commit.
+        ``holdout_seqs`` (labels of the batch held out for validation), ``report`` (what the batch did)
+        and ``checkpoint`` (``version``'s state, for a node that lacks ``artifact``) are written in the
+        same commit. The checks run under the cursor row's lock, so of two learners that read the same
+        cursor (on two nodes) exactly one moves it.
 
         Raises:
             Conflict: ``last_seq`` is behind the cursor, equal with another version, past the last
@@ -641,13 +679,22 @@ class FeedbackLog:
         _require_text(version, "version")
         if not isinstance(last_seq, int) or last_seq < 1:
             raise InvalidInput(f"must be a positive integer, got {last_seq!r}", field="last_seq")
-        with self._write() as cur:
-            row = cur.execute(
-                "SELECT last_seq, version, artifact FROM cursor WHERE model = ?", (model,)
-            ).fetchone()
-            current, current_version = (0, None) if row is None else (int(row[0]), row[1])
+        _check_checkpoint(checkpoint, version)
+        now = self._clock()
+        with self.db.transaction() as tx:
+            tx.execute(
+                "INSERT INTO cursor (model, last_seq, version, updated_at) VALUES (?, 0, NULL, ?)"
+                " ON CONFLICT (model) DO NOTHING",
+                (model, now),
+            )
+            # Take the row's lock before reading it: a concurrent mark (another node) waits for this
+            # commit, then reads what it wrote (PostgreSQL; SQLite runs one writer at a time anyway).
+            tx.execute("UPDATE cursor SET updated_at = updated_at WHERE model = ?", (model,))
+            row = tx.one("SELECT last_seq, version, artifact FROM cursor WHERE model = ?", (model,))
+            assert row is not None, "inserted above"
+            current, current_version = int(row[0]), row[1]
             if last_seq == current and version == current_version:
-                return self._cursor_in(cur, model)
+                return self._cursor_in(tx, model)
             if expected_last_seq is not None and expected_last_seq != current:
                 raise Conflict(
                     f"model '{model}' cursor is at {current}, not {expected_last_seq}: "
@@ -655,73 +702,123 @@ class FeedbackLog:
                 )
             if last_seq <= current:
                 raise Conflict(f"model '{model}' cursor is at {current}; it cannot move back to {last_seq}")
-            exists = cur.execute("SELECT 1 FROM feedback WHERE seq = ?", (last_seq,)).fetchone()
-            if exists is None:
+            if tx.one("SELECT 1 FROM feedback WHERE seq = ?", (last_seq,)) is None:
                 raise Conflict(f"no label has seq {last_seq}; a cursor cannot move past the recorded labels")
-            kept_artifact = artifact if artifact is not None else (None if row is None else row[2])
+            kept_artifact = artifact if artifact is not None else row[2]
             if artifact is None and version != current_version:
                 kept_artifact = None  # a new version without a known artifact
-            now = self._clock()
-            cur.execute(
-                "INSERT INTO cursor (model, last_seq, version, updated_at, artifact) VALUES (?, ?, ?, ?, ?)"
-                " ON CONFLICT (model) DO UPDATE SET last_seq = excluded.last_seq, version = excluded.version,"
-                " updated_at = excluded.updated_at, artifact = excluded.artifact",
-                (model, last_seq, version, now, kept_artifact),
+            tx.execute(
+                "UPDATE cursor SET last_seq = ?, version = ?, updated_at = ?, artifact = ? WHERE model = ?",
+                (last_seq, version, now, kept_artifact, model),
             )
-            cur.executemany(
-                "INSERT OR IGNORE INTO holdout (model, seq) VALUES (?, ?)",
-                [(model, int(seq)) for seq in holdout_seqs],
-            )
+            if holdout_seqs:
+                tx.executemany(
+                    "INSERT INTO holdout (model, seq) VALUES (?, ?) ON CONFLICT (model, seq) DO NOTHING",
+                    [(model, int(seq)) for seq in holdout_seqs],
+                )
             if report is not None:
-                cur.execute(
-                    "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?)",
+                tx.execute(
+                    "INSERT INTO batches (model, last_seq, after_seq, version, report, applied_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
                     (model, last_seq, current, version, json.dumps(report, sort_keys=True), now),
                 )
-            return self._cursor_in(cur, model)
+            if checkpoint is not None:
+                self._save_checkpoint(tx, model, checkpoint)
+            return self._cursor_in(tx, model)
 
     @staticmethod
-    def _cursor_in(cur: sqlite3.Cursor, model: str) -> Cursor:
-        """``model``'s cursor as the transaction of ``cur`` sees it."""
-        row = cur.execute(
-            "SELECT last_seq, version, artifact, baseline, paused FROM cursor WHERE model = ?", (model,)
-        ).fetchone()
+    def _cursor_in(tx: Tx, model: str) -> Cursor:
+        """``model``'s cursor as the transaction ``tx`` sees it."""
+        row = tx.one(
+            "SELECT last_seq, version, artifact, baseline, paused, baseline_version FROM cursor"
+            " WHERE model = ?",
+            (model,),
+        )
         if row is None:
             return Cursor(model, 0, None)
-        return Cursor(model, int(row[0]), row[1], row[2], row[3], row[4] or "")
+        return Cursor(model, int(row[0]), row[1], row[2], row[3], row[4] or "", row[5])
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, tx: Tx, model: str, checkpoint: Checkpoint) -> None:
+        """Store ``checkpoint`` unless ``model`` has one of its version (a version's state never changes)."""
+        golden = np.ascontiguousarray(checkpoint.golden_x, dtype="<f4")
+        if golden.ndim != 2 or golden.shape[1] != len(checkpoint.feature_names):
+            raise InvalidInput(
+                f"golden rows of shape {golden.shape} for {len(checkpoint.feature_names)} features",
+                field="checkpoint",
+            )
+        tx.execute(
+            "INSERT INTO checkpoints (model, version, params, feature_names, golden, info, saved_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (model, version) DO NOTHING",
+            (
+                model,
+                checkpoint.version,
+                checkpoint.params,
+                json.dumps(list(checkpoint.feature_names)),
+                golden.tobytes(),
+                json.dumps(checkpoint.info),
+                self._clock(),
+            ),
+        )
+
+    def checkpoint(self, model: str, version: str) -> Checkpoint | None:
+        """``model``'s stored state of ``version`` (``None``: none was stored, or it was pruned)."""
+        with self.db.transaction() as tx:
+            row = tx.one(
+                "SELECT params, feature_names, golden, info FROM checkpoints WHERE model = ? AND version = ?",
+                (model, version),
+            )
+        if row is None:
+            return None
+        names = tuple(json.loads(row[1]))
+        golden = np.frombuffer(bytes(row[2]), dtype="<f4").reshape(-1, len(names)).astype(np.float32)
+        return Checkpoint(version, str(row[0]), names, golden, json.loads(row[3]))
+
+    def prune_checkpoints(self, model: str, keep: int) -> int:
+        """Delete ``model``'s checkpoints but the ``keep`` newest and those its cursor names (its version
+        and baseline); returns how many were deleted."""
+        if not isinstance(keep, int) or keep < 1:
+            raise InvalidInput(f"must be a positive integer, got {keep!r}", field="keep")
+        with self.db.transaction() as tx:
+            named = tx.one("SELECT version, baseline_version FROM cursor WHERE model = ?", (model,))
+            pinned = {v for v in (named or ()) if v}
+            newest = tx.query(
+                "SELECT n FROM checkpoints WHERE model = ? ORDER BY n DESC LIMIT ?", (model, keep)
+            )
+            if len(newest) < keep:
+                return 0
+            older = tx.query(
+                "SELECT n, version FROM checkpoints WHERE model = ? AND n < ?", (model, int(newest[-1][0]))
+            )
+            stale = [int(n) for n, version in older if version not in pinned]
+            for start in range(0, len(stale), _CHUNK):
+                chunk = stale[start : start + _CHUNK]
+                tx.execute(f"DELETE FROM checkpoints WHERE n IN ({','.join('?' * len(chunk))})", chunk)
+        return len(stale)
+
+    # -- retention --------------------------------------------------------------------------------
 
     def purge_expired(self) -> int:
-        """Delete labels of decisions past retention that every known model has applied (and a
-        pre-schema-4 log's decisions past retention with no label left to apply); return how many labels.
+        """Delete labels of decisions past retention that every known model has applied; return how many.
 
-        With no known model nothing with a label is deleted.
+        With no known model nothing is deleted.
         """
         cutoff = self._clock() - self.retention_s
-        with self._write() as cur:
-            low = cur.execute("SELECT MIN(last_seq) FROM cursor").fetchone()[0]
-            floor = 0 if low is None else int(low)
-            cur.execute("DELETE FROM feedback WHERE decided_at < ? AND seq <= ?", (cutoff, floor))
-            purged = int(cur.rowcount)
-            if self._legacy:
-                cur.execute(
-                    "DELETE FROM decisions WHERE decided_at < ? AND NOT EXISTS (SELECT 1 FROM feedback AS f"
-                    " WHERE f.request_id = decisions.request_id AND f.seq > ?)",
-                    (cutoff, floor),
-                )
-            cur.execute("DELETE FROM holdout WHERE seq NOT IN (SELECT seq FROM feedback)")
-            return purged
+        with self.db.transaction() as tx:
+            low = tx.one("SELECT MIN(last_seq) FROM cursor")
+            floor = 0 if low is None or low[0] is None else int(low[0])
+            purged = tx.execute("DELETE FROM feedback WHERE decided_at < ? AND seq <= ?", (cutoff, floor))
+            tx.execute("DELETE FROM holdout WHERE seq NOT IN (SELECT seq FROM feedback)")
+        return purged
 
 
-def _table_exists(cur: sqlite3.Cursor, name: str) -> bool:
-    row = cur.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone()
-    return row is not None
-
-
-def _column_exists(cur: sqlite3.Cursor, statement: str) -> bool:
-    """Whether ``statement`` is an ``ALTER TABLE t ADD COLUMN c ...`` whose column ``t`` already has."""
-    words = statement.split()
-    if words[:2] != ["ALTER", "TABLE"] or words[3:5] != ["ADD", "COLUMN"]:
-        return False
-    return any(row[1] == words[5] for row in cur.execute(f"PRAGMA table_info({words[2]})"))
+def _check_checkpoint(checkpoint: Checkpoint | None, version: str) -> None:
+    if checkpoint is not None and checkpoint.version != version:
+        raise InvalidInput(
+            f"the checkpoint is of version {checkpoint.version}, the cursor is to name {version}",
+            field="checkpoint",
+        )
 
 
 def _require_text(value: object, field: str) -> None:

@@ -5,8 +5,8 @@ One :meth:`OnlineLearner.step`:
 1. reads the labels after the model's cursor: a mini-batch of ``batch_size`` labels, or fewer once the
    oldest has waited ``interval_ms``;
 2. splits them: one label in ``holdout_every`` (chosen by an HMAC of its ``feedback_id`` under the
-   install's secret key, so a replay splits the same way and a caller cannot choose the split) is held out
-   for validation, the others train;
+   pipeline's secret key, so a replay, on any node, splits the same way and a caller cannot choose the
+   split) is held out for validation, the others train;
 3. runs ``partial_fit`` on a copy of the cursor's version and scales the step down to ``max_coef_step``
    (the L2 norm of the change to coefficients and intercept), so a burst of poisoned labels moves the
    model a bounded distance;
@@ -21,11 +21,18 @@ One :meth:`OnlineLearner.step`:
    pending, the cursor records why, and only adopting a version (a swap) resumes. Per-batch caps bound one
    step; this bounds the sum of many small poisoned steps;
 6. writes the candidate as a verifiable artifact (content-addressed directory, fsynced, atomic rename);
-7. moves cursor, version, artifact, held-out ids and the batch report in ONE commit of the log.
+7. moves cursor, version, artifact, held-out ids, the batch report and the version's checkpoint in ONE
+   commit of the log.
 
 A crash anywhere before step 7 leaves the cursor where it was: the restarted learner reads the same labels
 onto the same parent and, the steps being deterministic, writes the same version. So every label is in
 the served lineage exactly once (see :mod:`riskserve.learning.feedback_log`).
+
+The learner's whole state is in the state database (the cursor and the checkpoint of the version it
+names); its ``artifact_dir`` is where versions are written, and a cache any node can rebuild. A learner
+restarted on a node whose disk lacks the cursor's artifact (or holds it damaged) rebuilds it from the
+checkpoint into its ``artifact_dir`` (:meth:`OnlineLearner.restore`) and carries on: the artifact is
+content-addressed, so the rebuilt one must hash to the version the cursor names, or it is refused.
 """
 
 from __future__ import annotations
@@ -38,22 +45,22 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict
 
-from riskserve.learning.feedback_log import Batch, Cursor, FeedbackLog
+from riskserve.learning.feedback_log import Batch, Checkpoint, Cursor, FeedbackLog
 from riskserve.platform.errors import ModelLoadError
-from riskserve.platform.secret import install_secret, secret_path
 from riskserve.schema.pipeline import OnlineLearningSpec
 from riskserve.wrappers.sklearn_model import (
     GOLDEN_FILE,
+    LinearParams,
     LinearSnapshot,
     ScalerParams,
     load_sklearn_artifact,
@@ -66,6 +73,7 @@ __all__ = [
     "LearnedVersion",
     "OnlineLearner",
     "cap_step",
+    "checkpoint_of",
     "drift_from",
     "is_holdout",
     "load_version",
@@ -80,7 +88,8 @@ BatchOutcome = Literal["applied", "reverted", "held_out", "paused"]
 
 def is_holdout(feedback_id: str, every: int, key: bytes) -> bool:
     """Whether a label validates instead of training: one in ``every``, by an HMAC-SHA256 of its id under
-    the install's secret ``key`` (stable for a replay, unpredictable to whoever picks the id)."""
+    the pipeline's secret ``key`` (:meth:`FeedbackLog.holdout_key`: stable for a replay on any node,
+    unpredictable to whoever picks the id)."""
     if every <= 0:
         return False
     digest = hmac.new(key, feedback_id.encode(), hashlib.sha256).digest()
@@ -144,6 +153,8 @@ class LearnedVersion:
     artifact: Path
     feature_names: tuple[str, ...]
     golden_x: NDArray[np.float32]
+    info: dict[str, Any] = field(default_factory=dict)
+    """The manifest's notes (``parent``, who made it), kept in its checkpoint so a rebuild writes them."""
 
     @property
     def version(self) -> str:
@@ -161,7 +172,20 @@ def load_version(path: Path | str) -> LearnedVersion:
     if GOLDEN_FILE not in artifact.manifest.files:
         raise ModelLoadError(f"{artifact.root}: an online model needs a golden set ({GOLDEN_FILE})")
     golden_x = np.ascontiguousarray(artifact.read_json(GOLDEN_FILE)["x"], dtype=np.float32)
-    return LearnedVersion(snapshot, artifact.root, tuple(artifact.manifest.feature_names), golden_x)
+    names = tuple(artifact.manifest.feature_names)
+    return LearnedVersion(snapshot, artifact.root, names, golden_x, dict(artifact.manifest.info))
+
+
+def checkpoint_of(version: LearnedVersion) -> Checkpoint:
+    """What the log keeps of ``version`` so that any node can rewrite its artifact
+    (:meth:`OnlineLearner.restore`)."""
+    return Checkpoint(
+        version=version.version,
+        params=version.snapshot.params.to_json_bytes().decode(),
+        feature_names=version.feature_names,
+        golden_x=version.golden_x,
+        info=dict(version.info),
+    )
 
 
 class BatchReport(_Schema):
@@ -203,7 +227,8 @@ class BatchReport(_Schema):
 
 
 class OnlineLearner:
-    """Applies one model's labels from the log as mini-batches; the log's cursor is its only state."""
+    """Applies one model's labels from the log as mini-batches; the log's cursor and checkpoints are its
+    only state (see the module's docstring: any node can run it)."""
 
     def __init__(
         self,
@@ -215,49 +240,102 @@ class OnlineLearner:
         clock: Callable[[], float] = time.time,
         holdout_key: bytes | None = None,
     ) -> None:
-        """``holdout_key``: the secret of the holdout split; default: the install secret beside the log."""
+        """``holdout_key``: the secret of the holdout split; default: the log's (the same on every node).
+        ``artifact_dir``: where learned versions are written, and where versions this node lacks are
+        rebuilt from their checkpoints."""
         self.log = log
         self.model = model
         self.settings = settings
         self.artifact_dir = Path(artifact_dir)
         self._clock = clock
-        self.holdout_key = holdout_key if holdout_key is not None else install_secret(secret_path(log.path))
+        self.holdout_key = holdout_key if holdout_key is not None else log.holdout_key()
         self._parent: LearnedVersion | None = None
         self._baseline: LearnedVersion | None = None
 
     def current(self) -> LearnedVersion | None:
-        """The version the cursor names (``None`` before a version is adopted)."""
-        cursor = self.log.cursor(self.model)
+        """The version the cursor names (``None`` before a version is adopted), rebuilt from its checkpoint
+        when this node's disk lacks its artifact."""
+        return self._current(self.log.cursor(self.model))
+
+    def _current(self, cursor: Cursor) -> LearnedVersion | None:
         if cursor.version is None or cursor.artifact is None:
             return None
         parent = self._parent
         if parent is None or parent.version != cursor.version:
-            parent = load_version(cursor.artifact)
-            if parent.version != cursor.version:
-                raise ModelLoadError(
-                    f"{cursor.artifact}: holds version {parent.version}, the log names {cursor.version}"
-                )
-            self._parent = parent
+            parent = self._parent = self._open(cursor.version, cursor.artifact)
         return parent
+
+    def _open(self, version: str, artifact: str) -> LearnedVersion:
+        """``version`` from ``artifact`` if it is there and verifies, else rebuilt from its checkpoint.
+
+        Raises:
+            ModelLoadError: neither: the artifact is missing or unusable and the log has no checkpoint.
+        """
+        try:
+            found = load_version(artifact)
+        except ModelLoadError as error:
+            why = str(error)
+        else:
+            if found.version == version:
+                return found
+            why = f"{artifact}: holds version {found.version}, the log names {version}"
+        logger.warning("model '%s': %s; rebuilding %s from its checkpoint", self.model, why, version)
+        try:
+            return self.restore(version)
+        except ModelLoadError as error:
+            raise ModelLoadError(f"{why}; {error}") from error
+
+    def restore(self, version: str) -> LearnedVersion:
+        """``version`` as ``artifact_dir/<version>``, rewritten from the checkpoint in the log (or found
+        there already): how a learner continues on a node whose disk does not hold its cursor's artifact.
+
+        Raises:
+            ModelLoadError: the log has no checkpoint of ``version``, or the checkpoint does not hash to it
+                (the artifact is content-addressed: a rebuild is the same version or nothing).
+        """
+        checkpoint = self.log.checkpoint(self.model, version)
+        if checkpoint is None:
+            raise ModelLoadError(f"model '{self.model}': the log holds no checkpoint of {version}")
+        try:
+            params = LinearParams.model_validate_json(checkpoint.params)
+        except ValueError as error:
+            raise ModelLoadError(
+                f"model '{self.model}': checkpoint {version} is unreadable: {error}"
+            ) from error
+        snapshot = LinearSnapshot.from_params(params)
+        if snapshot.version != version:
+            raise ModelLoadError(
+                f"model '{self.model}': the checkpoint of {version} hashes to {snapshot.version}; refused"
+            )
+        return self._materialize(snapshot, checkpoint.feature_names, checkpoint.golden_x, checkpoint.info)
 
     def adopt(self, artifact: Path | str) -> LearnedVersion:
         """Verify ``artifact`` and make it the version later labels train (a swap, or the first version);
-        it becomes the served baseline drift is measured from, and paused learning resumes."""
+        it becomes the served baseline drift is measured from, and paused learning resumes. Its checkpoint
+        is stored in the same commit."""
         version = load_version(artifact)
-        self.log.adopt(self.model, version.version, str(version.artifact))
+        self.log.adopt(self.model, version.version, str(version.artifact), checkpoint=checkpoint_of(version))
         self._parent = version
         self._baseline = version
         return version
 
     def baseline(self, cursor: Cursor, parent: LearnedVersion) -> LearnedVersion:
-        """The served baseline the cursor names (a log from before drift bounds: ``parent`` becomes it)."""
+        """The served baseline the cursor names (a cursor moved without an adoption: ``parent`` becomes
+        it), rebuilt from its checkpoint when this node's disk lacks it."""
         if cursor.baseline is None:
             self.log.set_baseline(self.model, str(parent.artifact))
             self._baseline = parent
             return parent
         cached = self._baseline
-        if cached is None or str(cached.artifact) != cursor.baseline:
-            cached = self._baseline = load_version(cursor.baseline)
+        wanted = cursor.baseline_version
+        if wanted is None:  # no version recorded: the directory is all there is
+            if cached is None or str(cached.artifact) != cursor.baseline:
+                cached = self._baseline = load_version(cursor.baseline)
+            return cached
+        if cached is None or cached.version != wanted:
+            cached = self._baseline = (
+                parent if parent.version == wanted else self._open(wanted, cursor.baseline)
+            )
         return cached
 
     def due(self, batch: Batch) -> bool:
@@ -280,7 +358,7 @@ class OnlineLearner:
         cursor = self.log.cursor(self.model)
         if cursor.paused:
             return None
-        parent = self.current()
+        parent = self._current(cursor)
         if parent is None:
             raise ModelLoadError(f"model '{self.model}': no version adopted yet; nothing to train from")
         baseline = self.baseline(cursor, parent)
@@ -298,10 +376,11 @@ class OnlineLearner:
             return None
         if not (force or self.due(batch)):
             return None
-        report, holdout_seqs = self._judge(parent, batch, baseline)
+        report, holdout_seqs, made = self._judge(parent, batch, baseline)
         if report.outcome == "paused":
             self.log.pause(self.model, report.reason)
             return report
+        serving = made if made is not None else parent
         self.log.mark_applied(
             self.model,
             batch.last_seq,
@@ -310,10 +389,13 @@ class OnlineLearner:
             artifact=report.artifact,
             holdout_seqs=holdout_seqs,
             report=report.model_dump(mode="json"),
+            checkpoint=checkpoint_of(serving),
         )
+        self._parent = serving
         self._skipped(batch)
         if report.changed:
             self._prune(keep={report.version, parent.version, baseline.version})
+            self.log.prune_checkpoints(self.model, keep=self.settings.keep_versions)
         return report
 
     def _skipped(self, batch: Batch) -> None:
@@ -328,8 +410,9 @@ class OnlineLearner:
 
     def _judge(
         self, parent: LearnedVersion, batch: Batch, baseline: LearnedVersion
-    ) -> tuple[BatchReport, list[int]]:
-        """Train, cap and judge a candidate; write it if it passes. Nothing here touches the cursor."""
+    ) -> tuple[BatchReport, list[int], LearnedVersion | None]:
+        """Train, cap and judge a candidate; write it if it passes (returned third). Nothing here touches
+        the cursor."""
         base = {
             "model": self.model,
             "after_seq": batch.after_seq,
@@ -340,7 +423,8 @@ class OnlineLearner:
         }
         missing = [c for c in parent.feature_names if c not in batch.columns]
         if missing:
-            return self._report(base, parent, "reverted", f"decisions lack the model's columns {missing}"), []
+            reason = f"decisions lack the model's columns {missing}"
+            return self._report(base, parent, "reverted", reason), [], None
         index = [batch.columns.index(c) for c in parent.feature_names]
         x = np.ascontiguousarray(batch.x[:, index])
         every, key = self.settings.holdout_every, self.holdout_key
@@ -348,9 +432,8 @@ class OnlineLearner:
         holdout_seqs = [int(s) for s in batch.seqs[held]]
         base |= {"trained_rows": int((~held).sum()), "holdout_rows": int(held.sum())}
         if not (~held).any():
-            return self._report(
-                base, parent, "held_out", "every label of the batch is held out"
-            ), holdout_seqs
+            reason = "every label of the batch is held out"
+            return self._report(base, parent, "held_out", reason), holdout_seqs, None
         trained = train_step(
             parent.snapshot, x[~held], batch.y[~held], update_scaler=self.settings.update_scaler
         )
@@ -359,7 +442,7 @@ class OnlineLearner:
         reason, checks = self._validate(parent, candidate, batch, index)
         base |= checks
         if reason:
-            return self._report(base, parent, "reverted", reason), []
+            return self._report(base, parent, "reverted", reason), [], None
         drift, drift_logloss = drift_from(baseline, candidate)
         base |= {"drift": drift, "drift_logloss": drift_logloss}
         limits = self.settings
@@ -370,17 +453,18 @@ class OnlineLearner:
                 f" max_drift_logloss {limits.max_drift_logloss}; review the labels, then swap in a"
                 " version to resume"
             )
-            return self._report(base, parent, "paused", reason), []
-        path = self._write(candidate, parent)
+            return self._report(base, parent, "paused", reason), [], None
+        info = {"learned_by": "riskserve online learner", "model": self.model}
+        made = self._materialize(candidate, parent.feature_names, parent.golden_x, info)
         report = BatchReport(
             **base,
             version=candidate.version,
-            artifact=str(path),
+            artifact=str(made.artifact),
             outcome="applied",
             reason="clipped to max_coef_step" if clipped else "",
             applied_at=self._clock(),
         )
-        return report, holdout_seqs
+        return report, holdout_seqs, made
 
     def _report(
         self, base: dict[str, object], parent: LearnedVersion, outcome: BatchOutcome, reason: str
@@ -434,28 +518,46 @@ class OnlineLearner:
             return f"held-out log-loss {after:.4f} > {before:.4f} + max_logloss_increase {margin}", checks
         return "", checks
 
-    def _write(self, candidate: LinearSnapshot, parent: LearnedVersion) -> Path:
-        """Write ``candidate`` durably at ``artifact_dir/<version>`` (atomic rename) and return the path."""
-        final = self.artifact_dir / candidate.version
+    def _materialize(
+        self,
+        snapshot: LinearSnapshot,
+        feature_names: Sequence[str],
+        golden_x: NDArray[np.float32],
+        info: dict[str, Any],
+    ) -> LearnedVersion:
+        """``snapshot`` as a verifiable artifact at ``artifact_dir/<version>``, written durably (fsync,
+        atomic rename), or the one there already if it verifies (an earlier attempt, or a rebuild, wrote
+        the same version). A damaged one there is moved aside and written again."""
+        final = self.artifact_dir / snapshot.version
         if final.is_dir():
-            load_version(final)  # a crashed earlier attempt wrote the same version: verify and reuse it
-            return final
+            try:
+                found = load_version(final)
+            except ModelLoadError as error:
+                logger.warning("model '%s': %s; writing it again", self.model, error)
+            else:
+                if found.version == snapshot.version:
+                    return found
+            stale = self.artifact_dir / f".stale-{uuid.uuid4().hex}"
+            os.rename(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
         self.artifact_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.artifact_dir / f".tmp-{uuid.uuid4().hex}"
         try:
-            save_sklearn_artifact(
-                candidate,
-                tmp,
-                feature_names=parent.feature_names,
-                golden_x=parent.golden_x,
-                info={"learned_by": "riskserve online learner", "model": self.model},
+            written = save_sklearn_artifact(
+                snapshot, tmp, feature_names=feature_names, golden_x=golden_x, info=info
             )
             _fsync_tree(tmp)
             os.rename(tmp, final)
             _fsync_dir(self.artifact_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return final
+        return LearnedVersion(
+            snapshot,
+            final,
+            tuple(written.manifest.feature_names),
+            np.ascontiguousarray(golden_x, dtype=np.float32),
+            dict(written.manifest.info),
+        )
 
     def _prune(self, keep: set[str]) -> None:
         """Delete learned artifacts beyond the ``keep_versions`` newest (never one in ``keep``)."""

@@ -1,23 +1,23 @@
 """The feedback service: one Serve deployment per pipeline that owns its feedback log and learners.
 
-It is the only process that writes the SQLite file, and it reads the decisions the labels name from the
-pipeline's audit trail (the ingress replicas' slot files, read-only: the log keeps no copy of them; the
-feedback service and the ingress replicas therefore share a file system, as they did for the old crash
-journal of decisions). It admits labels (:class:`~riskserve.learning.admission.LabelAdmission`: rate
-limits per source and for all sources, one label per decision, then a durable commit before the
-answer), and a background thread
-runs each online model's :class:`~riskserve.learning.learner.OnlineLearner` and publishes every new
-version by writing it into the pipeline's versions record (:mod:`riskserve.operations.publish`), which
-every replica pulls: nothing is redeployed. With an artifact store (``state.artifacts``) each learned
-version is copied there first, so replicas on every node can fetch it. The cursor in the log names the
-version that should serve; when the record names another one, the service publishes the cursor's again (a
-crash fell between the commit and the publish), unless ``riskserve up --reset`` forgot the record since:
-then the learner adopts the YAML's artifact, which serves.
+Its feedback log lives in the pipeline's state database (``state.dsn``: a SQLite file on one machine,
+PostgreSQL on a cluster), with the learners' cursors and checkpoints and the holdout key, so the service
+can restart on any node and continue. It reads the decisions the labels name from the pipeline's audit
+trail, in the same database (the log keeps no copy of them), wherever the decision was made. It admits
+labels (:class:`~riskserve.learning.admission.LabelAdmission`: rate limits per source and for all
+sources, one label per decision, then a durable commit before the answer), and a background thread runs
+each online model's :class:`~riskserve.learning.learner.OnlineLearner` and publishes every new version by
+writing it into the pipeline's versions record (:mod:`riskserve.operations.publish`), which every replica
+pulls: nothing is redeployed. With an artifact store (``state.artifacts``) each learned version is copied
+there first, so replicas on every node can fetch it. The cursor in the log names the version that should
+serve; when the record names another one, the service publishes the cursor's again (a crash fell between
+the commit and the publish), unless ``riskserve up --reset`` forgot the record since: then the learner
+adopts the YAML's artifact, which serves.
 
 It is also the pipeline's ONE publisher: learner batches, reconciliation and hot swaps
 (:meth:`FeedbackService.swap`) all publish under one lock, a swap is a compare-and-set on the version it
 was verified against, and :meth:`FeedbackService.fence` (called before a shutdown drains the pipeline)
-stops every later publish, so a learner can never redeploy an application that is being deleted.
+stops every later publish.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from riskserve.audit.lookup import DecisionLookup
 from riskserve.learning.admission import LabelAdmission
 from riskserve.learning.feedback_log import FeedbackLog
 from riskserve.learning.learner import BatchReport, OnlineLearner, load_version
@@ -40,7 +41,6 @@ from riskserve.platform.artifact_store import ArtifactStore, fetch_verified
 from riskserve.platform.artifacts import open_artifact
 from riskserve.platform.errors import ConfigError, Conflict, ModelUnavailable
 from riskserve.platform.metrics import LearningMetrics
-from riskserve.platform.secret import install_secret, secret_path
 from riskserve.schema.pipeline import PipelineSpec
 from riskserve.state.db import open_database
 from riskserve.state.versions import Source, VersionsStore
@@ -66,17 +66,18 @@ class FeedbackService:
         for kind, entry in (registered or {}).items():
             register_backend(kind, *entry)
         self._spec = PipelineSpec.model_validate(spec)
-        self._versions = VersionsStore(open_database(self._spec.state_dsn()))
+        db = open_database(self._spec.state_dsn())  # one pool for the log, the trail and the record
+        self._versions = VersionsStore(db)
         root = self._spec.state.artifacts
         self._artifacts = ArtifactStore(root) if root else None
         self._yaml_versions: dict[str, str] = {}
         feedback = self._spec.feedback
         if feedback is None:
             raise ConfigError(f"pipeline '{self._spec.name}' has no feedback section")
-        path = self._spec.feedback_log_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
         self._log = FeedbackLog(
-            path, audit=self._spec.audit_dir(), retention_s=feedback.retention_hours * 3600
+            db,
+            lookup=DecisionLookup(db, self._spec.audit_dir()) if self._spec.audit is not None else None,
+            retention_s=feedback.retention_hours * 3600,
         )
         limiter = SourceRateLimiter(
             feedback.source_rate_per_s,
@@ -86,7 +87,7 @@ class FeedbackService:
         )
         self._metrics = LearningMetrics(self._spec.name)
         self._admission = LabelAdmission(self._log, limiter, self._metrics)
-        key = install_secret(secret_path(path))
+        key = self._log.holdout_key()  # the database's: every node splits labels alike
         self._learners: dict[str, OnlineLearner] = {}
         for name in self._spec.online_models():
             online = self._spec.models[name].online
@@ -206,7 +207,7 @@ class FeedbackService:
         return await asyncio.to_thread(self._status)
 
     def _status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"log": str(self._log.path), "pid": os.getpid(), "models": {}}
+        out: dict[str, Any] = {"log": self._log.location, "pid": os.getpid(), "models": {}}
         for name in self._learners:
             cursor = self._log.cursor(name)
             last = self._last_report.get(name)

@@ -1,12 +1,11 @@
 """Per-install secrets: random keys only the serving user can read (mode 0600).
 
-One beside a feedback log keys the holdout split (:func:`riskserve.learning.learner.is_holdout`): with a
-public hash of the ``feedback_id`` a caller could choose ids that land in (or out of) the validation
-window; with an HMAC under this key it cannot predict the split. One in the compiled-library cache
-authenticates each library's build record, so a library planted in the cache is never opened.
+The one in the compiled-library cache authenticates each library's build record, so a library planted in
+the cache is never opened. (The holdout split's key is not a file: it must be the same on every node, so
+it lives in the pipeline's state database, :meth:`riskserve.learning.feedback_log.FeedbackLog.holdout_key`.)
 
 A key is created once, atomically (written to a private temporary file and hard-linked into place, so two
-processes opening the same log agree on one key), and refused when another user could read it.
+processes opening the same cache agree on one key), and refused when another user could read it.
 """
 
 from __future__ import annotations
@@ -20,14 +19,9 @@ from typing import Final
 
 from riskserve.platform.errors import ConfigError
 
-__all__ = ["KEY_BYTES", "install_secret", "secret_path"]
+__all__ = ["KEY_BYTES", "install_secret"]
 
 KEY_BYTES: Final = 32
-
-
-def secret_path(log_path: Path) -> Path:
-    """Where the secret of the file at ``log_path`` (a feedback log) is kept: beside it."""
-    return log_path.with_name(log_path.name + ".key")
 
 
 def install_secret(path: Path) -> bytes:

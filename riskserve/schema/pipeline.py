@@ -101,8 +101,9 @@ class OnlineLearningSpec(_Strict):
     interval_ms: float = Field(default=5000, gt=0)
     """A partial mini-batch is applied once its oldest label has waited this long."""
     holdout_every: int = Field(default=5, ge=0)
-    """One label in this many (chosen by an HMAC of its ``feedback_id`` under the install's secret key, so
-    a caller cannot pick which labels validate) validates instead of training; 0 holds nothing out."""
+    """One label in this many (chosen by an HMAC of its ``feedback_id`` under the pipeline's secret key,
+    kept in its state database, so a caller cannot pick which labels validate) validates instead of
+    training; 0 holds nothing out."""
     holdout_window: int = Field(default=1000, ge=1)
     """The most recent held-out labels a candidate version is judged on."""
     min_holdout_rows: int = Field(default=50, ge=1)
@@ -128,7 +129,10 @@ class OnlineLearningSpec(_Strict):
     update_scaler: bool = True
     """Whether mini-batches also update the scaler's running mean and variance."""
     artifact_dir: Path | None = None
-    """Where learned versions are written (one verifiable artifact each); default: beside the log."""
+    """Where learned versions are written (one verifiable artifact each); default: ``<audit.path>.learned/
+    <model>``, beside the audit trail (the feedback service and the ingress replicas share its file system,
+    so the replicas can load what the learner writes). A node lacking a version rebuilds it here from its
+    checkpoint in the state database."""
     keep_versions: int = Field(default=50, ge=2)
     """Learned artifacts kept on disk (the serving one is always kept)."""
 
@@ -144,11 +148,10 @@ class SigningSpec(_Strict):
 
 
 class FeedbackSpec(_Strict):
-    """Where the pipeline keeps labels for online learning, and how labels are admitted. The decisions
-    they label are the audit trail's records (the pipeline needs an enabled ``audit`` section)."""
+    """How labels for online learning are admitted and kept. They are kept in the pipeline's state
+    database (``state``: durable on commit, shared by every node), and the decisions they label are the
+    audit trail's records (the pipeline needs an enabled ``audit`` section)."""
 
-    log_path: Path
-    """The SQLite feedback log (WAL mode, fsync per commit); a relative path is relative to the YAML."""
     retention_hours: float = Field(default=168, gt=0)
     """How long after a decision a label for it is taken (joined to its audit record)."""
     source_rate_per_s: float = Field(default=50, gt=0)
@@ -161,12 +164,12 @@ class FeedbackSpec(_Strict):
     total_burst: int = Field(default=2000, ge=1)
     """Labels all sources together may send at once before ``total_rate_per_s`` applies."""
     pool: str | None = None
-    """Pool of the feedback service (one replica: it owns the log); default: the first pool."""
+    """Pool of the feedback service (one replica: it runs the learners); default: the first pool."""
     num_cpus: float = Field(default=0.25, ge=0)
 
     @property
     def stage(self) -> StageSpec:
-        """Placement of the feedback service: one replica, the only writer of the log and the learner."""
+        """Placement of the feedback service: one replica, the one learner of each online model."""
         return StageSpec(pool=self.pool, num_cpus=self.num_cpus, replicas=1)
 
 
@@ -604,12 +607,6 @@ class PipelineSpec(_Strict):
             return self._relative(self.models_root)
         return self.artifact_path(model).parent
 
-    def feedback_log_path(self) -> Path:
-        """Absolute path of the feedback log (the pipeline must have ``feedback``)."""
-        if self.feedback is None:
-            raise ConfigError(f"pipeline '{self.name}' has no feedback section")
-        return self._relative(self.feedback.log_path)
-
     def audit_dir(self) -> Path:
         """Absolute directory of the audit trail (the pipeline must have ``audit``)."""
         if self.audit is None:
@@ -626,12 +623,13 @@ class PipelineSpec(_Strict):
         return state.resolve_dsn(default_name=self.name)
 
     def learned_dir(self, model: str) -> Path:
-        """Absolute directory of a model's learned versions."""
+        """Absolute directory of a model's learned versions: the YAML's ``artifact_dir``, else
+        ``<audit dir>.learned/<model>`` (see :attr:`OnlineLearningSpec.artifact_dir` for why there)."""
         online = self.models[model].online
         if online is not None and online.artifact_dir is not None:
             return self._relative(online.artifact_dir)
-        log = self.feedback_log_path()
-        return log.parent / f"{log.name}.models" / model
+        audit = self.audit_dir()
+        return audit.with_name(f"{audit.name}.learned") / model
 
     def front_door(self) -> FrontDoorSpec:
         """``serving.grpc`` with its TLS and tokens files made absolute against the YAML file's directory."""
@@ -699,7 +697,6 @@ class PipelineSpec(_Strict):
         for name in self.models:
             data["models"][name]["artifact"] = str(self.artifact_path(name))
         if self.feedback is not None:
-            data["feedback"]["log_path"] = str(self.feedback_log_path())
             for name in self.online_models():
                 data["models"][name]["online"]["artifact_dir"] = str(self.learned_dir(name))
         if self.audit is not None and self.audit.path is not None:

@@ -43,7 +43,8 @@ def _pipeline(tmp_path: Path, models: Path) -> Path:
         model["artifact"] = str(models / name)
         model["timeout_ms"] = 20_000
     data["models"]["fraud"]["online"] = ONLINE
-    data["feedback"] = {"log_path": str(tmp_path / "feedback" / "log.sqlite")}
+    data["feedback"] = {}
+    data["state"] = {"dsn": f"sqlite:///{tmp_path / 'state' / 'state.sqlite'}"}  # labels, cursor, checkpoints
     data["audit"] = {"path": str(tmp_path / "audit")}  # the decisions labels are joined to
     data["state"] = {"dsn": f"sqlite:///{tmp_path / 'state.sqlite'}"}  # the versions record, read here too
     path = tmp_path / "restarts.yaml"

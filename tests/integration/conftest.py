@@ -142,8 +142,8 @@ def pipeline_on(yaml_name: str, models: Path, **overrides: Any) -> PipelineSpec:
         model["artifact"] = str(models / model_name)
         model["timeout_ms"] = GENEROUS_TIMEOUT_MS
     data.setdefault("serving", {})["decision_timeout_ms"] = GENEROUS_TIMEOUT_MS
-    if "feedback" in data:  # every deployment of a test gets a log of its own, never one in the repo
-        data["feedback"]["log_path"] = str(Path(tempfile.mkdtemp(prefix="feedback-")) / "log.sqlite")
+    if "feedback" in data:  # every deployment of a test gets a state database (its log) of its own
+        data["state"] = {"dsn": f"sqlite:///{Path(tempfile.mkdtemp(prefix='state-')) / 'state.sqlite'}"}
     if "audit" in data:  # the same for the audit trail
         data["audit"]["path"] = tempfile.mkdtemp(prefix="audit-")
     # and its own state store (versions record, ...): a version one test published never serves in another

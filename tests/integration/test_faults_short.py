@@ -52,5 +52,5 @@ def test_kill_9_of_a_model_replica_and_of_an_ingress_replica_lose_nothing(pipeli
     drills.kill_model_replica(endpoint(pipeline), replicas=2, app=APP, settle_s=SETTLE_S)
     # the dead replica's lane is withdrawn and the replacement announces its own
     wait_for(lambda: len(_lane_pids()) == 2 and len(_lane_pids() & before) == 1, 60, "the replacement's lane")
-    log = pipeline.feedback_log_path()
-    drills.kill_ingress_replica(endpoint(pipeline), replicas=2, app=APP, feedback_log=log, settle_s=SETTLE_S)
+    audit = pipeline.audit_dir()
+    drills.kill_ingress_replica(endpoint(pipeline), replicas=2, app=APP, audit=audit, settle_s=SETTLE_S)

@@ -52,11 +52,8 @@ def _spec(models: Path) -> PipelineSpec:
         model["artifact"] = str(models / name)
         model["timeout_ms"] = GENEROUS_TIMEOUT_MS
     data["models"]["fraud"]["online"] = ONLINE
-    data["feedback"] = {
-        "log_path": str(Path(tempfile.mkdtemp(prefix="feedback-")) / "log.sqlite"),
-        "source_rate_per_s": 0.5,
-        "source_burst": 100,
-    }
+    data["feedback"] = {"source_rate_per_s": 0.5, "source_burst": 100}
+    data["state"] = {"dsn": f"sqlite:///{Path(tempfile.mkdtemp(prefix='state-')) / 'state.sqlite'}"}
     data["audit"] = {"path": tempfile.mkdtemp(prefix="audit-")}  # the decisions labels are joined to
     data["serving"] = {
         "decision_timeout_ms": GENEROUS_TIMEOUT_MS,

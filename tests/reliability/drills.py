@@ -121,16 +121,14 @@ def kill_model_replica(
     return report, window
 
 
-def unrecorded(feedback_log: Path, report: Report) -> int:
+def unrecorded(audit: Path, report: Report) -> int:
     """Decisions answered but absent from the audit trail the feedback log joins labels to, once the
-    replicas had time to ship (and replay) what they had: read from the state database (the embedded one of
-    ``riskserve up`` with ``RISKSERVE_STATE_DIR=<root>/state``: the harness's YAML names no DSN) and the
-    journals in ``audit/`` beside the log's ``feedback/``."""
+    replicas had time to ship (and replay) what they had: read from the state database the harness's YAML
+    names (``state.sqlite`` beside ``audit/``) and the journals in ``audit``."""
     ids = {o.decision_id for o in report.of("Decide") if o.kind == DECISION}
     missing = ids
-    root = feedback_log.parent.parent
-    database = open_database(f"sqlite:///{root / 'state' / 'state' / PIPELINE}.sqlite")
-    trail = AuditTrail(database, root / "audit")
+    database = open_database(f"sqlite:///{audit.parent / 'state.sqlite'}")
+    trail = AuditTrail(database, audit)
 
     def all_there() -> bool:
         nonlocal missing
@@ -152,7 +150,7 @@ def kill_ingress_replica(
     *,
     app: str = PIPELINE,
     seed: int = 2,
-    feedback_log: Path | None = None,
+    audit: Path | None = None,
     settle_s: float = SETTLE_S,
 ) -> tuple[Report, Window]:
     """``kill -9`` of one ingress replica under steady load, until Serve has replaced it (``settle_s`` of
@@ -184,8 +182,8 @@ def kill_ingress_replica(
         **_labels_kept(load, report),
         "recovery_s": round(window.ended - started, 1),
     }
-    if feedback_log is not None:  # what the killed replica had buffered was journaled and adopted
-        figures["decisions_unrecorded"] = missing = unrecorded(feedback_log, report)
+    if audit is not None:  # what the killed replica had buffered was journaled and adopted
+        figures["decisions_unrecorded"] = missing = unrecorded(audit, report)
         assert missing == 0, figures
     record_figures(f"kill_ingress_replica_of_{replicas}", figures)
     return report, window

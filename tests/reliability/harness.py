@@ -71,8 +71,8 @@ def pipeline_data(
         "decision_timeout_ms": 5000,
         **({"grpc": grpc} if grpc else {}),
     }
-    data["feedback"] = {"log_path": str(root / "feedback" / "log.sqlite"), "pool": "cpu", "num_cpus": 0,
-                        "source_rate_per_s": 1000, "source_burst": 1000}  # fmt: skip
+    data["feedback"] = {"pool": "cpu", "num_cpus": 0, "source_rate_per_s": 1000, "source_burst": 1000}
+    data["state"] = {"dsn": f"sqlite:///{root / 'state.sqlite'}"}  # labels, cursors, checkpoints
     data["audit"] = {"path": str(root / "audit")}  # a pipeline with feedback joins labels to its audit trail
     return data
 
@@ -92,8 +92,9 @@ class Running:
     target: str
     env: dict[str, str]
     log: Path
-    feedback_log: Path
-    """The pipeline's SQLite feedback log (the drills read it to check no decision was lost)."""
+    audit: Path
+    """The pipeline's audit trail, which labels are joined to (the drills read it to check no decision was
+    lost)."""
 
 
 def _riskserve(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -108,8 +109,8 @@ def riskserve_up(pipeline: Path, root: Path) -> Iterator[Running]:
     up = _riskserve("up", str(pipeline), "--grpc-port", str(_free_port()), env=env)
     assert up.returncode == 0, up.stderr + up.stdout
     state = json.loads((root / "state" / "state.json").read_text())
-    log = Path(yaml.safe_load(pipeline.read_text())["feedback"]["log_path"])
-    running = Running(int(state["pid"]), state["endpoints"][PIPELINE], env, Path(state["log"]), log)
+    audit = Path(yaml.safe_load(pipeline.read_text())["audit"]["path"])
+    running = Running(int(state["pid"]), state["endpoints"][PIPELINE], env, Path(state["log"]), audit)
     try:
         yield running
     finally:

@@ -35,7 +35,7 @@ def test_kill_9_of_one_of_two_model_replicas_costs_no_decision_no_fallback_and_n
 def test_kill_9_of_one_of_two_ingress_replicas_costs_only_its_calls_in_flight_which_retry(
     two_of_each: Running,
 ) -> None:
-    drills.kill_ingress_replica(two_of_each.target, replicas=2, feedback_log=two_of_each.feedback_log)
+    drills.kill_ingress_replica(two_of_each.target, replicas=2, audit=two_of_each.audit)
 
 
 def test_a_hung_model_replica_is_put_aside_within_seconds_and_replaced_by_its_health_check(

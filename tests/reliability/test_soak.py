@@ -160,7 +160,7 @@ def test_a_soak_with_one_fault_of_each_kind_at_random_times_loses_nothing_and_st
     lost = [o for o in again if not (o.kind == LABEL and o.duplicate)]
     flood_kinds = {k: v for f in floods for k, v in f.report().kinds().items()}
     flooded = list(zip(floods, [w for w in windows if w.fault == "overload"], strict=True))
-    decisions_lost = unrecorded(soaked.feedback_log, report)
+    decisions_lost = unrecorded(soaked.audit, report)
     figures = {
         "seed": seed,
         "seconds": round(report.ended - report.started),

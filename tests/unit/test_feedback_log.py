@@ -1,30 +1,32 @@
-"""The feedback log: durable acks, idempotent retries, joins to the audit trail's records, cursors,
-retention, the schema 3 -> 4 upgrade, kill -9 and exactly-once."""
+"""The feedback log in the state database, on both backends (a SQLite file and a real PostgreSQL server):
+durable acks, idempotent retries, joins to the audit trail's records, cursors, retention, checkpoints, the
+holdout key, two nodes sharing one database, kill -9 and exactly-once."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
-from contextlib import closing
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from numpy.typing import NDArray
 from sklearn.linear_model import SGDClassifier
 
+from riskserve.audit.lookup import DecisionLookup
 from riskserve.audit.store import encode_row
 from riskserve.audit.writer import AuditWriter
 from riskserve.learning import Batch, FeedbackLog
-from riskserve.learning.feedback_log import SCHEMA_VERSION
-from riskserve.platform.errors import Conflict, InvalidInput, NotFound
+from riskserve.learning.feedback_log import COMPONENT, SCHEMA_VERSION, Checkpoint
+from riskserve.platform.errors import AlreadyExists, Conflict, InvalidInput, NotFound
+from riskserve.state.db import open_database
 
 from .audit_records import DecisionTrail, record
 
@@ -52,11 +54,29 @@ def trail(tmp_path: Path, clock: FakeClock) -> Iterator[DecisionTrail]:
     kept.close()
 
 
+Node = Callable[..., FeedbackLog]
+
+
 @pytest.fixture
-def log(tmp_path: Path, clock: FakeClock, trail: DecisionTrail) -> Iterator[FeedbackLog]:
-    opened = FeedbackLog(tmp_path / "feedback.db", audit=trail.directory, retention_s=100.0, clock=clock)
-    yield opened
-    opened.close()
+def node(state_dsn: str) -> Iterator[Node]:
+    """Opens a feedback log on the test's state database with a connection of its own, as another process
+    or node would (joined to the audit trail in ``audit``, if given); all are closed after the test."""
+    opened: list[FeedbackLog] = []
+
+    def open_log(audit: Path | None = None, **options: Any) -> FeedbackLog:
+        lookup = DecisionLookup(audit) if audit is not None else None
+        opened.append(FeedbackLog(open_database(state_dsn), lookup=lookup, **options))
+        return opened[-1]
+
+    yield open_log
+    for log in opened:
+        log.close()
+        log.db.close()
+
+
+@pytest.fixture
+def log(node: Node, clock: FakeClock, trail: DecisionTrail) -> FeedbackLog:
+    return node(trail.directory, retention_s=100.0, clock=clock)
 
 
 def row(i: int) -> NDArray[np.float32]:
@@ -69,13 +89,24 @@ def decide(trail: DecisionTrail, i: int) -> str:
     return f"r{i}"
 
 
-def test_wal_and_fsync_on_commit_are_in_effect(log: FeedbackLog) -> None:
-    assert log.pragma("journal_mode") == "wal"
-    assert log.pragma("synchronous") == 2  # FULL
-    # A second, independent connection sees the file in WAL mode too (it is persistent in the file).
-    with closing(sqlite3.connect(log.path)) as other:
-        assert other.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert other.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+def test_labels_are_committed_where_the_audit_reader_reads_them(
+    log: FeedbackLog, trail: DecisionTrail, state_dsn: str
+) -> None:
+    decide(trail, 1)
+    decide(trail, 2)
+    log.record_feedback("r2", 0, "fb-2", source="review")
+    log.record_feedback("r1", 1, "fb-1", source="chargebacks")
+    other = open_database(state_dsn)  # another connection: it sees what was acknowledged, committed
+    with other.transaction() as tx:
+        rows = tx.query(  # the audit trail's reader joins labels with exactly this query
+            "SELECT request_id, label, source, received_at, feedback_id FROM feedback"
+            " WHERE request_id IN (?, ?) ORDER BY seq",
+            ("r1", "r2"),
+        )
+        migrated = tx.query("SELECT version FROM schema_migrations WHERE component = ?", (COMPONENT,))
+    other.close()
+    assert rows == [("r2", 0, "review", 1_000_000.0, "fb-2"), ("r1", 1, "chargebacks", 1_000_000.0, "fb-1")]
+    assert migrated == [(SCHEMA_VERSION,)]
 
 
 def test_a_retried_feedback_id_is_a_duplicate_and_the_label_is_logged_once(
@@ -208,11 +239,13 @@ CHILD = textwrap.dedent(
     import sys
     from pathlib import Path
     import numpy as np
+    from riskserve.audit.lookup import DecisionLookup
     from riskserve.learning import FeedbackLog
+    from riskserve.state.db import open_database
     from tests.unit.audit_records import DecisionTrail
 
     trail = DecisionTrail(Path(sys.argv[2]))
-    log = FeedbackLog(Path(sys.argv[1]), audit=trail.directory)
+    log = FeedbackLog(open_database(sys.argv[1]), lookup=DecisionLookup(trail.directory))
     features = np.arange(64, dtype=np.float32)
     columns = [f"c{j}" for j in range(64)]
     print("ready", flush=True)
@@ -225,11 +258,12 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_every_acknowledged_label_survives_kill_9_exactly_once(tmp_path: Path) -> None:
-    path = tmp_path / "feedback.db"
+def test_every_acknowledged_label_survives_kill_9_exactly_once(
+    state_dsn: str, node: Node, tmp_path: Path
+) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(path), str(tmp_path / "audit")],
+        [sys.executable, "-c", CHILD, state_dsn, str(tmp_path / "audit")],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -249,9 +283,7 @@ def test_every_acknowledged_label_survives_kill_9_exactly_once(tmp_path: Path) -
     acked = [f"fb-{i}" for i in range(150)] + rest.split("\n")[:-1]
     assert acked == [f"fb-{i}" for i in range(len(acked))]
 
-    with FeedbackLog(path, audit=tmp_path / "audit") as log:
-        stored = log.pending("m", 1_000_000)
-        assert log.pragma("integrity_check") == "ok"
+    stored = node(tmp_path / "audit").pending("m", 1_000_000)
     ids = list(stored.feedback_ids)
     assert len(ids) == len(set(ids))
     assert set(acked) <= set(ids)  # every ack is durable; at most the in-flight call may be extra
@@ -295,19 +327,21 @@ def load_state(version: str | None, store: Path, width: int) -> SGDClassifier:
     return classifier
 
 
-def run_learner(path: Path, store: Path, *, batch_size: int, crash_at: int | None = None) -> SGDClassifier:
-    """The learner loop; ``crash_at`` dies after partial_fit *and* saving, before mark_applied."""
-    with FeedbackLog(path, audit=path.parent / "audit") as log:
-        classifier = load_state(log.cursor("fraud").version, store, len(COLUMNS))
-        step = 0
-        while len(batch := log.pending("fraud", batch_size)):
-            classifier.partial_fit(batch.x.astype(np.float64), batch.y, classes=np.array([0, 1]))
-            version = save_state(classifier, store)
-            if step == crash_at:
-                raise Crash
-            log.mark_applied("fraud", batch.last_seq, version, expected_last_seq=batch.after_seq)
-            step += 1
-        return classifier
+def run_learner(
+    log: FeedbackLog, store: Path, *, batch_size: int, crash_at: int | None = None
+) -> SGDClassifier:
+    """The learner loop on a freshly opened ``log`` (a new process); ``crash_at`` dies after partial_fit
+    *and* saving, before mark_applied."""
+    classifier = load_state(log.cursor("fraud").version, store, len(COLUMNS))
+    step = 0
+    while len(batch := log.pending("fraud", batch_size)):
+        classifier.partial_fit(batch.x.astype(np.float64), batch.y, classes=np.array([0, 1]))
+        version = save_state(classifier, store)
+        if step == crash_at:
+            raise Crash
+        log.mark_applied("fraud", batch.last_seq, version, expected_last_seq=batch.after_seq)
+        step += 1
+    return classifier
 
 
 def reference(batches: list[Batch]) -> SGDClassifier:
@@ -317,28 +351,28 @@ def reference(batches: list[Batch]) -> SGDClassifier:
     return classifier
 
 
-def test_labels_are_applied_exactly_once_across_crashes(tmp_path: Path) -> None:
-    path, store = tmp_path / "feedback.db", tmp_path / "models"
+def test_labels_are_applied_exactly_once_across_crashes(node: Node, tmp_path: Path) -> None:
+    store = tmp_path / "models"
     store.mkdir()
     rng = np.random.default_rng(0)
     trail = DecisionTrail(tmp_path / "audit")
-    with FeedbackLog(path, audit=trail.directory) as log:
-        for i in range(45):
-            features = rng.normal(size=len(COLUMNS)).astype(np.float32)
-            trail.keep(f"r{i}", features, COLUMNS)
-        for i in rng.permutation(45):  # labels arrive in another order than the decisions
-            log.record_feedback(f"r{i}", int(i % 3 == 0), f"fb-{i}")
-        everything = log.pending("fraud", 1000)
+    log = node(trail.directory)
+    for i in range(45):
+        features = rng.normal(size=len(COLUMNS)).astype(np.float32)
+        trail.keep(f"r{i}", features, COLUMNS)
+    for i in rng.permutation(45):  # labels arrive in another order than the decisions
+        log.record_feedback(f"r{i}", int(i % 3 == 0), f"fb-{i}")
+    everything = log.pending("fraud", 1000)
     batches = [
         Batch(0, everything.seqs[s], everything.x[s], everything.y[s], (), everything.columns)
         for s in (slice(k, k + 10) for k in range(0, 45, 10))
     ]
 
     with pytest.raises(Crash):
-        run_learner(path, store, batch_size=10, crash_at=2)  # batches 0, 1 marked; 2 trained, lost
+        run_learner(node(trail.directory), store, batch_size=10, crash_at=2)  # 0, 1 marked; 2 lost
     with pytest.raises(Crash):
-        run_learner(path, store, batch_size=10, crash_at=0)  # batch 2 retrained, lost again
-    final = run_learner(path, store, batch_size=10)
+        run_learner(node(trail.directory), store, batch_size=10, crash_at=0)  # 2 retrained, lost again
+    final = run_learner(node(trail.directory), store, batch_size=10)
 
     expected = reference(batches)
     np.testing.assert_array_equal(final.coef_, expected.coef_)
@@ -346,23 +380,20 @@ def test_labels_are_applied_exactly_once_across_crashes(tmp_path: Path) -> None:
     assert final.t_ == expected.t_
     assert not np.array_equal(reference([*batches[:3], batches[2], *batches[3:]]).coef_, expected.coef_)
     trail.close()
-    with FeedbackLog(path, audit=trail.directory) as log:
-        assert log.cursor("fraud").last_seq == int(everything.seqs[-1])
-        assert len(log.pending("fraud", 10)) == 0
-        assert (
-            load_state(log.cursor("fraud").version, store, len(COLUMNS)).coef_.tolist()
-            == final.coef_.tolist()
-        )
+    log = node(trail.directory)
+    assert log.cursor("fraud").last_seq == int(everything.seqs[-1])
+    assert len(log.pending("fraud", 10)) == 0
+    assert load_state(log.cursor("fraud").version, store, len(COLUMNS)).coef_.tolist() == final.coef_.tolist()
 
 
 # -- the decisions are the audit trail's records ---------------------------------------------------
 
 
 def test_a_decision_still_only_in_a_journal_takes_its_label_and_trains_on_its_row(
-    tmp_path: Path, clock: FakeClock
+    node: Node, tmp_path: Path, clock: FakeClock
 ) -> None:
     audit = tmp_path / "audit"
-    log = FeedbackLog(tmp_path / "feedback.db", audit=audit, retention_s=100.0, clock=clock)
+    log = node(audit, retention_s=100.0, clock=clock)
     with pytest.raises(NotFound):  # the lookup has looked at the (empty) directory already
         log.record_feedback("", 1, "fb-0", decision_id="d000001")
     writer = AuditWriter(audit)  # a replica that started since, written ahead, not committed yet
@@ -379,7 +410,6 @@ def test_a_decision_still_only_in_a_journal_takes_its_label_and_trains_on_its_ro
     again = log.pending("m", 10)  # now from the slot's store: the same row
     np.testing.assert_array_equal(again.x, batch.x)
     assert log.record_feedback("tx-1", 1, "fb-2").duplicate  # by the caller's request id: its one label
-    log.close()
 
 
 def test_a_label_whose_audit_record_is_gone_is_skipped_and_accounted_for(
@@ -400,52 +430,117 @@ def test_a_label_whose_audit_record_is_gone_is_skipped_and_accounted_for(
     assert len(log.pending("m", 10)) == 0
 
 
-V3_SCHEMA = """
-CREATE TABLE schema_version (version INTEGER NOT NULL); INSERT INTO schema_version VALUES (3);
-CREATE TABLE decisions (request_id TEXT PRIMARY KEY, pipeline TEXT NOT NULL, model_version TEXT NOT NULL,
-    features BLOB NOT NULL, columns TEXT NOT NULL, decided_at REAL NOT NULL, caller_id TEXT);
-CREATE TABLE feedback (seq INTEGER PRIMARY KEY AUTOINCREMENT, feedback_id TEXT NOT NULL UNIQUE,
-    request_id TEXT NOT NULL REFERENCES decisions (request_id), label INTEGER NOT NULL,
-    source TEXT NOT NULL, received_at REAL NOT NULL);
-CREATE TABLE cursor (model TEXT PRIMARY KEY, last_seq INTEGER NOT NULL, version TEXT,
-    updated_at REAL NOT NULL, artifact TEXT, baseline TEXT, paused TEXT);
-CREATE TABLE holdout (model TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (model, seq));
-CREATE TABLE batches (model TEXT NOT NULL, last_seq INTEGER NOT NULL, after_seq INTEGER NOT NULL,
-    version TEXT NOT NULL, report TEXT NOT NULL, applied_at REAL NOT NULL, PRIMARY KEY (model, last_seq));
-"""
+# -- two nodes, one database ------------------------------------------------------------------------
 
 
-def test_a_schema_3_log_keeps_its_decisions_read_only_beside_the_audit_trail(
-    tmp_path: Path, clock: FakeClock, trail: DecisionTrail
+def test_two_nodes_on_one_database_see_each_others_labels_and_answer_a_retry_as_a_duplicate(
+    node: Node, trail: DecisionTrail, clock: FakeClock
 ) -> None:
-    path = tmp_path / "v3.sqlite"
-    with closing(sqlite3.connect(path)) as db:
-        db.executescript(V3_SCHEMA)
-        for i in range(3):  # decisions the old ingress copied into the log; a label on the first one
-            db.execute(
-                "INSERT INTO decisions VALUES (?, 'card', '{}', ?, ?, ?, ?)",
-                (
-                    f"old-{i}",
-                    row(10 + i).astype("<f4").tobytes(),
-                    json.dumps(COLUMNS),
-                    clock.now,
-                    f"tx-old-{i}",
-                ),
-            )
-        db.execute("INSERT INTO feedback VALUES (1, 'fb-old-0', 'old-0', 1, 'bank', ?)", (clock.now,))
-        db.commit()
-    decide(trail, 1)  # a decision made after the upgrade: only in the audit trail
-    with FeedbackLog(path, audit=trail.directory, retention_s=100.0, clock=clock) as log:
-        log.record_feedback("", 0, "fb-new", decision_id="r1")  # no foreign key to the old table bites
-        log.record_feedback("tx-old-1", 1, "fb-old-1")  # an old decision, by its caller's request id
-        assert log.record_feedback("tx-old-0", 1, "fb-old-0").duplicate  # an old label's retry
-        batch = log.pending("m", 10)
-        assert batch.feedback_ids == ("fb-old-0", "fb-new", "fb-old-1")
-        np.testing.assert_array_equal(batch.x, np.stack([row(10), row(1), row(11)]))
-        log.mark_applied("m", batch.last_seq, "v-a")
-        clock.now += 101.0
-        assert log.purge_expired() == 3  # every label applied, their decisions past retention
-    with closing(sqlite3.connect(path)) as db:
-        assert db.execute("SELECT version FROM schema_version").fetchall() == [(4,)]
-        assert db.execute("SELECT COUNT(*) FROM decisions").fetchone() == (0,)  # old copies purged too
-        assert db.execute("SELECT COUNT(*) FROM feedback").fetchone() == (0,)
+    node_a = node(trail.directory, retention_s=100.0, clock=clock)
+    node_b = node(trail.directory, retention_s=100.0, clock=clock)  # its migrations: found applied
+    for i in range(3):
+        decide(trail, i)
+    first = node_a.record_feedback("r0", 1, "fb-0", source="bank")
+    assert node_b.seen("fb-0")
+    retry = node_b.record_feedback("r0", 1, "fb-0", source="bank")  # the client's retry reached node B
+    assert (retry.duplicate, retry.seq) == (True, first.seq)
+    assert node_b.record_feedback("r0", 1, "fb-other").duplicate  # one label per decision, across nodes
+    with pytest.raises(AlreadyExists):
+        node_b.record_feedback("r0", 0, "fb-flip")
+    with pytest.raises(Conflict):
+        node_b.record_feedback("r1", 1, "fb-0")  # fb-0 was recorded on node A for another decision
+    node_b.record_feedback("r1", 0, "fb-1")
+    node_a.record_feedback("r2", 1, "fb-2")
+    assert node_a.pending("m", 10).feedback_ids == ("fb-0", "fb-1", "fb-2")
+    assert node_b.pending("m", 10).feedback_ids == ("fb-0", "fb-1", "fb-2")
+    batch = node_a.pending("m", 2)
+    node_a.mark_applied("m", batch.last_seq, "v-a", expected_last_seq=batch.after_seq)
+    with pytest.raises(Conflict, match="another learner moved it"):  # B read the same batch: too late
+        node_b.mark_applied("m", batch.last_seq + 1, "v-b", expected_last_seq=batch.after_seq)
+    assert node_b.cursor("m").version == "v-a"
+
+
+def test_concurrent_labels_on_two_nodes_reach_a_concurrent_learner_each_exactly_once(
+    node: Node, trail: DecisionTrail, clock: FakeClock
+) -> None:
+    """Seqs become visible in order, so a learner marking as it reads never steps over a label that
+    commits late; and a decision labelled on both nodes at once keeps one label."""
+    per_node = 60
+    trail.keep_many([(f"r{i}", row(i), COLUMNS, "") for i in range(2 * per_node)])
+    nodes = [node(trail.directory, clock=clock) for _ in range(3)]
+    start = threading.Barrier(3)
+    acks: list[tuple[str, bool]] = []
+    errors: list[BaseException] = []
+
+    work = {  # node 0 labels r0..r59; node 1 labels r60..r119 and, at about the same time, r0..r59 again
+        0: [f"r{i}" for i in range(per_node)],
+        1: [d for i in range(per_node) for d in (f"r{per_node + i}", f"r{i}")],
+    }
+
+    def label(n: int) -> None:
+        start.wait()
+        try:
+            for decision in work[n]:
+                ack = nodes[n].record_feedback(decision, 1, f"fb-{n}-{decision}")
+                acks.append((decision, ack.duplicate))
+        except BaseException as error:
+            errors.append(error)
+
+    writers = [threading.Thread(target=label, args=(n,)) for n in range(2)]
+    for w in writers:
+        w.start()
+    start.wait()
+    applied: list[str] = []
+    learner = nodes[2]
+    while any(w.is_alive() for w in writers) or learner.pending_count("m"):
+        batch = learner.pending("m", 7)
+        if len(batch):
+            learner.mark_applied("m", batch.last_seq, f"v{batch.last_seq}", expected_last_seq=batch.after_seq)
+            applied.extend(batch.feedback_ids)
+    for w in writers:
+        w.join()
+    assert errors == []
+    firsts = sorted(decision for decision, duplicate in acks if not duplicate)
+    assert firsts == sorted(f"r{i}" for i in range(2 * per_node))  # each decision took one label, once
+    assert len(applied) == len(set(applied)) == 2 * per_node  # ... and the learner applied each once
+
+
+def test_the_holdout_key_is_made_once_and_every_node_reads_the_same(node: Node, tmp_path: Path) -> None:
+    node_a, node_b = node(), node()
+    key = node_b.holdout_key()
+    assert len(key) == 32
+    assert node_a.holdout_key() == key
+    assert node().holdout_key() == key  # a restart reads it back
+    elsewhere = open_database(f"sqlite:///{tmp_path / 'elsewhere.sqlite'}")
+    assert FeedbackLog(elsewhere).holdout_key() != key  # random per database, not a constant
+    elsewhere.close()
+
+
+def _checkpoint(version: str) -> Checkpoint:
+    golden = np.arange(6, dtype=np.float32).reshape(2, 3) / 7
+    return Checkpoint(version, f'{{"v": "{version}"}}', tuple(COLUMNS), golden, {"parent": None, "n": 1})
+
+
+def test_a_checkpoint_is_kept_with_the_cursor_move_that_names_its_version(
+    log: FeedbackLog, trail: DecisionTrail
+) -> None:
+    for i in range(4):
+        decide(trail, i)
+        log.record_feedback(f"r{i}", i % 2, f"fb-{i}")
+    log.adopt("m", "v0", "/models/v0", checkpoint=_checkpoint("v0"))
+    with pytest.raises(InvalidInput, match="checkpoint"):  # a checkpoint of another version is refused ...
+        log.mark_applied("m", 1, "v1", checkpoint=_checkpoint("v9"))
+    assert log.cursor("m").last_seq == 0  # ... and with it the whole mark
+    for seq in range(1, 5):
+        log.mark_applied("m", seq, f"v{seq}", checkpoint=_checkpoint(f"v{seq}"))
+    stored = log.checkpoint("m", "v3")
+    assert stored is not None
+    assert (stored.params, stored.feature_names, stored.info) == (
+        '{"v": "v3"}',
+        tuple(COLUMNS),
+        {"parent": None, "n": 1},
+    )
+    np.testing.assert_array_equal(stored.golden_x, _checkpoint("v3").golden_x)  # float32 bytes: exact
+    assert log.checkpoint("other", "v3") is None
+    assert log.prune_checkpoints("m", keep=2) == 2  # v1, v2 go; v0 is the baseline, v3 and v4 the newest
+    assert [v for v in ("v0", "v1", "v2", "v3", "v4") if log.checkpoint("m", v)] == ["v0", "v3", "v4"]

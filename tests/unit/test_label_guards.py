@@ -1,22 +1,23 @@
 """Labels nobody can poison: one label per decision, a secret holdout split, rate caps that inventing
 sources does not evade, and a bound on an online model's total drift; then an attacker who tries them all.
 
-Real SQLite logs, real scikit-learn models trained on the demo data, real files for the secret.
+Real feedback logs (the rules a label meets in the log run on both backends of the state database, the
+learner's arithmetic on SQLite), real scikit-learn models trained on the demo data, a real secret file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import sqlite3
 import stat
-from contextlib import closing
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
+from riskserve.audit.lookup import DecisionLookup
 from riskserve.demo.dataset import FEATURE_NAMES
 from riskserve.demo.tabular import TabularData, make_tabular_data, train_fraud_lr
 from riskserve.learning.admission import LabelAdmission
@@ -25,8 +26,9 @@ from riskserve.learning.learner import OnlineLearner, drift_from, is_holdout, lo
 from riskserve.learning.rate_limit import RateLimited, SourceRateLimiter
 from riskserve.platform.errors import AlreadyExists, ConfigError, InvalidInput, NotFound
 from riskserve.platform.metrics import LABELS_REFUSED, LearningMetrics, recorded
-from riskserve.platform.secret import install_secret, secret_path
+from riskserve.platform.secret import install_secret
 from riskserve.schema.pipeline import OnlineLearningSpec
+from riskserve.state.db import Database, open_database
 from riskserve.wrappers.sklearn_model import snapshot_scores
 
 from ..manual_clock import ManualClock
@@ -49,11 +51,29 @@ def base_artifact(data: TabularData, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
-def _log(tmp_path: Path, clock: ManualClock | None = None) -> FeedbackLog:
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[Database]:
+    """The state database of the learner's tests (their subject is the learner's arithmetic, which the
+    backend does not change: test_learner.py runs the learner on both)."""
+    opened = open_database(f"sqlite:///{tmp_path / 'state.sqlite'}")
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def state_db(state_dsn: str) -> Iterator[Database]:
+    """The state database on each backend, for the rules the log itself enforces."""
+    opened = open_database(state_dsn)
+    yield opened
+    opened.close()
+
+
+def _log(db: Database, tmp_path: Path, clock: ManualClock | None = None) -> FeedbackLog:
     """A feedback log joined to the audit trail beside it."""
+    lookup = DecisionLookup(tmp_path / "audit")
     if clock is None:
-        return FeedbackLog(tmp_path / "log.sqlite", audit=tmp_path / "audit")
-    return FeedbackLog(tmp_path / "log.sqlite", audit=tmp_path / "audit", clock=clock)
+        return FeedbackLog(db, lookup=lookup)
+    return FeedbackLog(db, lookup=lookup, clock=clock)
 
 
 def _decide(log: FeedbackLog, ids: list[str], x: np.ndarray) -> None:
@@ -76,10 +96,12 @@ def _admission(log: FeedbackLog, pipeline: str, **limits: float) -> LabelAdmissi
     return LabelAdmission(log, limiter, LearningMetrics(pipeline))
 
 
-def test_a_decision_takes_one_label_a_flip_is_refused_already_exists_and_counted(tmp_path: Path) -> None:
-    log = _log(tmp_path)
+def test_a_decision_takes_one_label_a_flip_is_refused_already_exists_and_counted(
+    state_db: Database, tmp_path: Path
+) -> None:
+    log = _log(state_db, tmp_path)
     _decide(log, ["r1"], np.zeros((1, len(COLUMNS))))
-    desk = _admission(log, "relabel-test")
+    desk = _admission(log, f"relabel-test-{state_db.backend}")  # a counter per backend: they are global
     first = desk.admit("r1", 1, "fb-1", "bank")
     assert not first.duplicate
     same = desk.admit("r1", 1, "fb-2", "analyst")  # the same verdict again under a new id: nothing added
@@ -88,16 +110,16 @@ def test_a_decision_takes_one_label_a_flip_is_refused_already_exists_and_counted
         desk.admit("r1", 0, "fb-3", "eve")  # the opposite verdict: refused
     assert info.value.grpc_status is grpc.StatusCode.ALREADY_EXISTS
     assert desk.admit("r1", 1, "fb-1", "bank").duplicate  # a plain retry stays idempotent
-    assert recorded(LABELS_REFUSED, pipeline="relabel-test", reason="relabel") == 1
+    assert recorded(LABELS_REFUSED, pipeline=f"relabel-test-{state_db.backend}", reason="relabel") == 1
     batch = log.pending("fraud", 10)
     assert (batch.feedback_ids, batch.y.tolist()) == (("fb-1",), [1])
 
 
-def test_the_holdout_split_is_keyed_by_a_private_install_secret(tmp_path: Path) -> None:
-    path = secret_path(tmp_path / "log.sqlite")
-    key = install_secret(path)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert install_secret(path) == key  # created once, then read back
+def test_the_holdout_split_is_keyed_by_a_secret_of_the_state_database(
+    state_db: Database, tmp_path: Path
+) -> None:
+    key = _log(state_db, tmp_path).holdout_key()
+    assert _log(state_db, tmp_path).holdout_key() == key  # created once, then read back
     ids = [f"fb-{i}" for i in range(4000)]
     keyed = {f for f in ids if is_holdout(f, 5, key)}
     public = {f for f in ids if int.from_bytes(hashlib.sha256(f.encode()).digest()[:8], "big") % 5 == 0}
@@ -106,6 +128,14 @@ def test_the_holdout_split_is_keyed_by_a_private_install_secret(tmp_path: Path) 
     # Knowing the old public rule (or another install's key) predicts the split no better than chance.
     assert len(keyed & public) / len(keyed) < 0.3
     assert len(keyed & other) / len(keyed) < 0.3
+
+
+def test_an_install_secret_is_private_made_once_and_refused_once_others_can_read_it(tmp_path: Path) -> None:
+    path = tmp_path / "cache" / ".key"  # the compiled-library cache keeps its key so
+    key = install_secret(path)
+    assert len(key) == 32
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert install_secret(path) == key  # created once, then read back
     path.chmod(0o644)
     with pytest.raises(ConfigError, match="readable by others"):
         install_secret(path)
@@ -144,9 +174,9 @@ def _online(**overrides: object) -> OnlineLearningSpec:
 
 
 def test_many_small_flipped_steps_stop_at_the_drift_bound_and_learning_pauses(
-    data: TabularData, base_artifact: Path, tmp_path: Path
+    data: TabularData, base_artifact: Path, tmp_path: Path, db: Database
 ) -> None:
-    log = _log(tmp_path)
+    log = _log(db, tmp_path)
     learner = OnlineLearner(log, "fraud", _online(), tmp_path / "learned")
     base = learner.adopt(base_artifact)
     ids = [f"r{i}" for i in range(640)]
@@ -168,7 +198,7 @@ def test_many_small_flipped_steps_stop_at_the_drift_bound_and_learning_pauses(
     assert 0.1 < drift <= 0.2 + 1e-9  # two capped steps, not quite in one direction
     assert learner.step(force=True) is None  # paused stays paused
     assert (
-        OnlineLearner(_log(tmp_path), "fraud", _online(), tmp_path / "learned").step(force=True) is None
+        OnlineLearner(_log(db, tmp_path), "fraud", _online(), tmp_path / "learned").step(force=True) is None
     )  # ... across a restart: the reason is in the log
     learner.adopt(served.artifact)  # a swap (the operator's word) resumes, measuring from the new baseline
     assert log.cursor("fraud").paused == ""
@@ -180,9 +210,9 @@ def test_many_small_flipped_steps_stop_at_the_drift_bound_and_learning_pauses(
 
 
 def test_the_golden_log_loss_bound_pauses_drift_the_coefficient_norm_does_not_see(
-    data: TabularData, base_artifact: Path, tmp_path: Path
+    data: TabularData, base_artifact: Path, tmp_path: Path, db: Database
 ) -> None:
-    log = _log(tmp_path)
+    log = _log(db, tmp_path)
     spec = _online(max_coef_step=100.0, max_drift=100.0, max_drift_logloss=0.001)
     learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned")
     learner.adopt(base_artifact)
@@ -199,12 +229,12 @@ def test_the_golden_log_loss_bound_pauses_drift_the_coefficient_norm_does_not_se
 
 
 def test_an_attacker_cannot_move_the_model_past_its_bound_or_hurt_honest_log_loss(
-    data: TabularData, base_artifact: Path, tmp_path: Path
+    data: TabularData, base_artifact: Path, tmp_path: Path, db: Database
 ) -> None:
     """Eve decides crafted transactions and labels them backwards from a thousand invented sources, and
     tries to flip the honest bank's labels; the bank labels its own decisions truthfully meanwhile."""
     clock = ManualClock()
-    log = _log(tmp_path, clock)
+    log = _log(db, tmp_path, clock)
     spec = OnlineLearningSpec.model_validate(  # the YAML defaults, with a mini-batch a test can fill
         {"batch_size": 128, "interval_ms": 1000, "min_holdout_rows": 20}
     )
@@ -266,9 +296,9 @@ def test_an_attacker_cannot_move_the_model_past_its_bound_or_hurt_honest_log_los
 
 
 def test_honest_labels_alone_stay_inside_the_default_drift_bound(
-    data: TabularData, base_artifact: Path, tmp_path: Path
+    data: TabularData, base_artifact: Path, tmp_path: Path, db: Database
 ) -> None:
-    log = _log(tmp_path)
+    log = _log(db, tmp_path)
     spec = OnlineLearningSpec.model_validate({"batch_size": 128, "min_holdout_rows": 20})  # YAML defaults
     learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned", holdout_key=b"\x02" * 32)
     base = learner.adopt(base_artifact)
@@ -288,8 +318,8 @@ def test_honest_labels_alone_stay_inside_the_default_drift_bound(
     assert drift_logloss < spec.max_drift_logloss / 2
 
 
-def test_a_server_issued_decision_id_defeats_request_id_squatting(tmp_path: Path) -> None:
-    log = _log(tmp_path)
+def test_a_server_issued_decision_id_defeats_request_id_squatting(state_db: Database, tmp_path: Path) -> None:
+    log = _log(state_db, tmp_path)
     eve_row, bank_row = np.full(len(COLUMNS), 9.0, np.float32), np.zeros(len(COLUMNS), np.float32)
     # Eve decides first under the bank's next request_id; the bank's own decision still gets its own id.
     trail = DecisionTrail(tmp_path / "audit")
@@ -307,23 +337,3 @@ def test_a_server_issued_decision_id_defeats_request_id_squatting(tmp_path: Path
     assert other.value.field == "request_id"
     with pytest.raises(NotFound):
         log.record_feedback("", 0, "fb-3", decision_id="d-nobody")
-
-
-def test_a_schema_2_log_keeps_answering_labels_by_request_id(tmp_path: Path) -> None:
-    path = tmp_path / "v2.sqlite"
-    with closing(sqlite3.connect(path)) as db:
-        db.executescript(
-            "CREATE TABLE schema_version (version INTEGER NOT NULL); INSERT INTO schema_version VALUES (2);"
-            "CREATE TABLE decisions (request_id TEXT PRIMARY KEY, pipeline TEXT NOT NULL, model_version"
-            " TEXT NOT NULL, features BLOB NOT NULL, columns TEXT NOT NULL, decided_at REAL NOT NULL);"
-            "CREATE TABLE cursor (model TEXT PRIMARY KEY, last_seq INTEGER NOT NULL, version TEXT,"
-            " updated_at REAL NOT NULL, artifact TEXT);"
-        )
-        db.execute(
-            "INSERT INTO decisions VALUES ('tx-1', 'card', '{}', ?, ?, ?)",
-            (np.zeros(2, "<f4").tobytes(), '["a", "b"]', 4e9),
-        )
-        db.commit()
-    with FeedbackLog(path) as log:
-        assert not log.record_feedback("tx-1", 1, "fb-1").duplicate
-        assert log.cursor("fraud").baseline is None

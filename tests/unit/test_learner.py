@@ -1,23 +1,30 @@
-"""The online learner against a real SQLite log and real scikit-learn: exactly once, guard rails, replay."""
+"""The online learner against a real feedback log (in a SQLite file and in a real PostgreSQL server) and
+real scikit-learn: exactly once (across a crash, kill -9 and a move to another node), guard rails, replay."""
 
 from __future__ import annotations
 
-import sqlite3
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 import time
-from collections.abc import Callable
-from contextlib import closing
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from riskserve.audit.lookup import DecisionLookup
 from riskserve.demo.dataset import FEATURE_NAMES
 from riskserve.demo.tabular import TabularData, make_tabular_data, train_fraud_lr
-from riskserve.learning.feedback_log import SCHEMA_VERSION, FeedbackLog
+from riskserve.learning.feedback_log import FeedbackLog
 from riskserve.learning.learner import OnlineLearner, cap_step, is_holdout, load_version, train_step
 from riskserve.learning.rate_limit import SourceRateLimiter
-from riskserve.platform.errors import Overloaded
+from riskserve.platform.errors import ModelLoadError, Overloaded
 from riskserve.schema.pipeline import OnlineLearningSpec
+from riskserve.state.db import open_database
 from riskserve.wrappers.sklearn_model import LinearSnapshot
 
 from ..learning_helpers import reference_step
@@ -25,6 +32,7 @@ from ..manual_clock import ManualClock
 from .audit_records import DecisionTrail
 
 COLUMNS = tuple(FEATURE_NAMES)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +47,24 @@ def base_artifact(data: TabularData, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
-def _log(tmp_path: Path, clock: Callable[[], float] = time.time) -> FeedbackLog:
-    """The learner's log, joined to the audit trail beside it."""
-    return FeedbackLog(tmp_path / "log.sqlite", audit=tmp_path / "audit", clock=clock)
+Opener = Callable[..., FeedbackLog]
+
+
+@pytest.fixture
+def open_log(state_dsn: str, tmp_path: Path) -> Iterator[Opener]:
+    """Opens the learner's log on the test's state database, with a connection of its own (as a new process
+    or another node would), joined to the audit trail in ``tmp_path / "audit"``; closed after the test."""
+    opened: list[FeedbackLog] = []
+
+    def open_(clock: Callable[[], float] = time.time) -> FeedbackLog:
+        lookup = DecisionLookup(tmp_path / "audit")
+        opened.append(FeedbackLog(open_database(state_dsn), lookup=lookup, clock=clock))
+        return opened[-1]
+
+    yield open_
+    for log in opened:
+        log.close()
+        log.db.close()
 
 
 def _record(
@@ -90,11 +113,11 @@ def _reference(
 
 
 def test_every_label_is_applied_once_across_a_crash_before_the_commit(
-    data: TabularData, base_artifact: Path, tmp_path: Path
+    data: TabularData, base_artifact: Path, tmp_path: Path, open_log: Opener
 ) -> None:
     spec = _settings()
     x, y = data.x_test[:320], data.y_test[:320]
-    log = _log(tmp_path)
+    log = open_log()
     ids = _record(log, x, y)
     learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned")
     learner.adopt(base_artifact)
@@ -110,9 +133,8 @@ def test_every_label_is_applied_once_across_a_crash_before_the_commit(
     with pytest.raises(SystemExit):
         learner.step()
     log.mark_applied = real_mark  # type: ignore[method-assign]
-    log.close()
 
-    reopened = _log(tmp_path)  # a new process: only what was committed survives
+    reopened = open_log()  # a new process: only what was committed survives
     restarted = OnlineLearner(reopened, "fraud", spec, tmp_path / "learned")
     while restarted.step() is not None:
         pass
@@ -144,10 +166,10 @@ def test_held_out_labels_never_train_and_are_chosen_by_a_stable_keyed_hash() -> 
 
 
 def test_a_partial_batch_waits_for_its_interval(
-    data: TabularData, base_artifact: Path, tmp_path: Path
+    data: TabularData, base_artifact: Path, tmp_path: Path, open_log: Opener
 ) -> None:
     clock = ManualClock()
-    log = _log(tmp_path, clock=clock)
+    log = open_log(clock=clock)
     _record(log, data.x_test[:10], data.y_test[:10])
     learner = OnlineLearner(log, "fraud", _settings(interval_ms=2000), tmp_path / "learned", clock=clock)
     learner.adopt(base_artifact)
@@ -161,10 +183,10 @@ def test_a_partial_batch_waits_for_its_interval(
 
 
 def test_flipped_labels_are_reverted_on_the_held_out_window(
-    data: TabularData, base_artifact: Path, tmp_path: Path
+    data: TabularData, base_artifact: Path, tmp_path: Path, open_log: Opener
 ) -> None:
     spec = _settings(batch_size=1000, max_logloss_increase=0.005, min_holdout_rows=50)
-    log = _log(tmp_path)
+    log = open_log()
     # A fixed split: for 5 of the 13 keys tried this flipped batch passes the held-out check (the drift
     # bound pauses it instead, see test_label_guards); this test is about the held-out check.
     learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned", holdout_key=b"\x02" * 32)
@@ -191,10 +213,10 @@ def test_flipped_labels_are_reverted_on_the_held_out_window(
 
 
 def test_one_batch_moves_the_coefficients_at_most_max_coef_step(
-    data: TabularData, base_artifact: Path, tmp_path: Path
+    data: TabularData, base_artifact: Path, tmp_path: Path, open_log: Opener
 ) -> None:
     spec = _settings(batch_size=256, max_coef_step=0.05, holdout_every=0, max_logloss_increase=10.0)
-    log = _log(tmp_path)
+    log = open_log()
     learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned")
     base = learner.adopt(base_artifact)
     _record(log, data.x_test[:256], 1 - data.y_test[:256])  # a whole batch of flipped labels
@@ -233,17 +255,136 @@ def test_a_source_over_its_rate_is_refused_by_name_and_others_are_not() -> None:
         limiter.take("analyst:eve")
 
 
-def test_a_version_1_log_is_upgraded_in_place(tmp_path: Path) -> None:
-    path = tmp_path / "old.sqlite"
-    with closing(sqlite3.connect(path)) as db:
-        db.executescript(
-            "CREATE TABLE schema_version (version INTEGER NOT NULL); INSERT INTO schema_version VALUES (1);"
-            "CREATE TABLE cursor (model TEXT PRIMARY KEY, last_seq INTEGER NOT NULL, version TEXT,"
-            " updated_at REAL NOT NULL); INSERT INTO cursor VALUES ('fraud', 0, 'v0', 1.0);"
+# -- another node: the learner's state is in the database ------------------------------------------
+
+
+def _files(artifact: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(artifact.iterdir())}
+
+
+def test_a_learner_on_another_node_rebuilds_its_version_from_the_checkpoint_and_continues_exactly_once(
+    data: TabularData, base_artifact: Path, tmp_path: Path, open_log: Opener
+) -> None:
+    spec = _settings()
+    x, y = data.x_test[:96], data.y_test[:96]
+    node_a = tmp_path / "node-a"  # the YAML's artifact and the learned versions are on node A's disk only
+    shutil.copytree(base_artifact, node_a / "fraud")
+    log_a = open_log()
+    ids = _record(log_a, x[:64], y[:64])
+    learner_a = OnlineLearner(log_a, "fraud", spec, node_a / "learned")
+    base = learner_a.adopt(node_a / "fraud")
+    assert learner_a.step() is not None
+    assert learner_a.step() is not None
+    left = log_a.cursor("fraud")
+    assert left.artifact is not None
+    written = _files(Path(left.artifact))
+    shutil.rmtree(node_a)  # node A is gone, and its disk with it
+
+    log_b = open_log()  # node B: the same database, an EMPTY artifact directory
+    ids += _record(log_b, x[64:], y[64:], start=64)
+    learned_b = tmp_path / "node-b" / "learned"
+    learner_b = OnlineLearner(log_b, "fraud", spec, learned_b)
+    assert learner_b.holdout_key == learner_a.holdout_key  # the split is the database's, not a node's
+    report = learner_b.step()
+    assert report is not None
+    assert (report.outcome, report.parent, report.after_seq) == ("applied", left.version, 64)
+    rebuilt = learned_b / str(left.version)
+    assert load_version(rebuilt).version == left.version  # content-addressed: it hashes the same ...
+    assert _files(rebuilt) == written  # ... byte for byte
+    assert load_version(learned_b / base.version).version == base.version  # the baseline is rebuilt too
+    cursor = log_b.cursor("fraud")
+    assert cursor.last_seq == 96
+    assert cursor.version == _reference(base.snapshot, x, y, ids, spec, learner_b.holdout_key)
+    assert [r.last_seq for r in learner_b.reports()] == [32, 64, 96]  # every label applied once
+    assert learner_b.step(force=True) is None
+
+
+def test_a_version_this_node_lacks_is_rebuilt_only_from_a_checkpoint_that_hashes_to_it(
+    data: TabularData, base_artifact: Path, tmp_path: Path, open_log: Opener
+) -> None:
+    log = open_log()
+    _record(log, data.x_test[:32], data.y_test[:32])
+    log.adopt("fraud", "0123456789abcdef", str(tmp_path / "gone"))  # adopted without a checkpoint
+    with pytest.raises(ModelLoadError, match="no checkpoint of 0123456789abcdef"):
+        OnlineLearner(log, "fraud", _settings(), tmp_path / "learned").step(force=True)
+
+    node_a = tmp_path / "node-a"
+    shutil.copytree(base_artifact, node_a / "fraud")
+    base = OnlineLearner(log, "fraud", _settings(), node_a / "learned").adopt(node_a / "fraud")
+    shutil.rmtree(node_a)
+    tampered = base.snapshot.params.model_copy(update={"intercept": base.snapshot.params.intercept + 1})
+    with log.db.transaction() as tx:  # a checkpoint altered in the database (an injected fault)
+        tx.execute(
+            "UPDATE checkpoints SET params = ? WHERE version = ?",
+            (tampered.to_json_bytes().decode(), base.version),
         )
-    with FeedbackLog(path) as log:
-        assert log.cursor("fraud").version == "v0"
-        assert log.cursor("fraud").artifact is None
-        assert log.adopt("fraud", "v1", "/models/v1").artifact == "/models/v1"
-    with closing(sqlite3.connect(path)) as db:
-        assert db.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+    with pytest.raises(ModelLoadError, match=f"the checkpoint of {base.version} hashes to"):
+        OnlineLearner(log, "fraud", _settings(), tmp_path / "learned").step(force=True)
+    assert not (tmp_path / "learned" / base.version).exists()
+    assert log.cursor("fraud").last_seq == 0  # nothing was applied
+
+
+LEARNER = textwrap.dedent(
+    """
+    import os
+    import signal
+    import sys
+    from pathlib import Path
+
+    from riskserve.audit.lookup import DecisionLookup
+    from riskserve.learning.feedback_log import FeedbackLog
+    from riskserve.learning.learner import OnlineLearner
+    from riskserve.schema.pipeline import OnlineLearningSpec
+    from riskserve.state.db import open_database
+
+    dsn, audit, learned, settings, kill_at = sys.argv[1:]
+    log = FeedbackLog(open_database(dsn), lookup=DecisionLookup(Path(audit)))
+    learner = OnlineLearner(log, "fraud", OnlineLearningSpec.model_validate_json(settings), Path(learned))
+    real_mark = log.mark_applied
+    marks = 0
+
+    def kill_9_before_the_commit(*args, **kwargs):  # an injected fault: kill -9 mid-batch
+        global marks
+        marks += 1
+        if marks == int(kill_at):  # trained, its artifact written and fsynced, not committed
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_mark(*args, **kwargs)
+
+    log.mark_applied = kill_9_before_the_commit
+    while (report := learner.step()) is not None:
+        print(report.last_seq, flush=True)
+    """
+)
+
+
+def test_labels_are_applied_exactly_once_across_kill_9_of_a_learner_and_a_restart_on_another_node(
+    data: TabularData, base_artifact: Path, tmp_path: Path, open_log: Opener, state_dsn: str
+) -> None:
+    spec = _settings()
+    x, y = data.x_test[:128], data.y_test[:128]
+    node_a = tmp_path / "node-a"
+    shutil.copytree(base_artifact, node_a / "fraud")
+    log = open_log()
+    ids = _record(log, x, y)
+    base = OnlineLearner(log, "fraud", spec, node_a / "learned").adopt(node_a / "fraud")
+    child = subprocess.run(
+        [sys.executable, "-c", LEARNER, state_dsn, str(tmp_path / "audit"), str(node_a / "learned"),
+         spec.model_dump_json(), "3"],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert child.stdout.split() == ["32", "64"]  # two batches committed, the third died before its commit
+    assert log.cursor("fraud").last_seq == 64
+    orphans = [p for p in (node_a / "learned").iterdir() if p.name != log.cursor("fraud").version]
+    assert len(orphans) == 2  # the first batch's version and the dead one's, which nothing names
+    shutil.rmtree(node_a)  # ... and the node is gone: the learner restarts on another
+
+    restarted = OnlineLearner(open_log(), "fraud", spec, tmp_path / "node-b" / "learned")
+    while restarted.step() is not None:
+        pass
+    cursor = log.cursor("fraud")
+    assert cursor.last_seq == 128
+    assert cursor.version == _reference(base.snapshot, x, y, ids, spec, restarted.holdout_key)
+    reports = restarted.reports()
+    assert [r.last_seq for r in reports] == [32, 64, 96, 128]
+    assert sum(r.trained_rows + r.holdout_rows for r in reports) == 128

@@ -112,6 +112,11 @@ def _errors(data: dict[str, Any]) -> str:
             lambda d: d["feedback"].update(buffer_rows=10),
             "feedback.buffer_rows: Extra inputs are not permitted",
         ),
+        # labels live in the state database (state.dsn): a YAML still naming a file is told so
+        (
+            lambda d: d["feedback"].update(log_path="../../var/feedback/card_fraud.sqlite"),
+            "feedback.log_path: Extra inputs are not permitted",
+        ),
     ],
 )
 def test_yaml_errors_name_their_path(
@@ -123,6 +128,20 @@ def test_yaml_errors_name_their_path(
         parse_pipeline(data, base_dir=PIPELINES)  # CEL compares double with int: allowed
     else:
         assert expected in _errors(data)
+
+
+def test_learned_versions_are_kept_beside_the_audit_trail_unless_the_yaml_names_a_directory(
+    card_fraud_yaml: dict[str, Any], tmp_path: Path
+) -> None:
+    data = copy.deepcopy(card_fraud_yaml)
+    data["audit"]["path"] = str(tmp_path / "audit" / "card_fraud")
+    spec = parse_pipeline(data, base_dir=PIPELINES)
+    assert spec.learned_dir("fraud") == tmp_path / "audit" / "card_fraud.learned" / "fraud"
+    resolved = spec.resolved()  # what the feedback service is given: the directory, and no log file
+    assert resolved["models"]["fraud"]["online"]["artifact_dir"] == str(spec.learned_dir("fraud"))
+    assert "log_path" not in resolved["feedback"]
+    data["models"]["fraud"]["online"]["artifact_dir"] = "learned/fraud"  # relative to the YAML
+    assert parse_pipeline(data, base_dir=PIPELINES).learned_dir("fraud") == PIPELINES / "learned" / "fraud"
 
 
 def test_all_errors_are_reported_at_once(card_fraud_yaml: dict[str, Any]) -> None:

@@ -108,7 +108,7 @@ def test_the_pipeline_names_the_key_and_every_runner_gets_it(tmp_path: Path) -> 
         private.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
     )
     data = yaml.safe_load(yaml_path.read_text())
-    data["feedback"]["log_path"] = str(tmp_path / "log.sqlite")
+    data["audit"]["path"] = str(tmp_path / "audit")  # learned versions: beside it, not in the repo
     spec = parse_pipeline(
         {**data, "signing": {"public_key": str(tmp_path / "public.pem")}}, base_dir=yaml_path.parent
     )

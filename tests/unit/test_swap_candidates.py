@@ -20,7 +20,7 @@ def _spec(models: Path, **extra: Any) -> PipelineSpec:
     data = yaml.safe_load(PIPELINE.read_text())
     for name, model in data["models"].items():
         model["artifact"] = str(models / name)
-    data["feedback"]["log_path"] = str(models.parent / "log.sqlite")
+    data["audit"]["path"] = str(models.parent / "audit")  # learned versions: beside it, not in the repo
     return parse_pipeline({**data, **extra}, base_dir=PIPELINE.parent)
 
 
