@@ -291,11 +291,15 @@ class FeedbackLog:
         lookup: DecisionLookup | None = None,
         retention_s: float = 7 * 24 * 3600,
         clock: Callable[[], float] = time.time,
+        find_wait_s: float = 0.0,
     ) -> None:
+        """``find_wait_s``: how long a label for a decision not in the trail yet waits for it (a decision
+        made on another node reaches the database within its replica's shipping interval)."""
         if not (math.isfinite(retention_s) and retention_s > 0):
             raise InvalidInput(f"must be positive seconds, got {retention_s}", field="retention_s")
         self.db = db
         self.decisions = lookup
+        self._find_wait_s = find_wait_s
         self.retention_s = float(retention_s)
         self._clock = clock
         self._key: bytes | None = None
@@ -452,11 +456,19 @@ class FeedbackLog:
 
     def _find(self, decision_id: str) -> DecisionRef | None:
         """The decision with this id, as the lookup finds it."""
-        return self.decisions.find(decision_id) if self.decisions is not None else None
+        if self.decisions is None:
+            return None
+        return self.decisions.find(decision_id, wait_s=self._find_wait_s)
 
     def _decision_of(self, request_id: str) -> DecisionRef:
         """The one decision whose caller's request_id is ``request_id`` (an older client's label)."""
-        found = {r.decision_id: r for r in (self.decisions.by_request(request_id) if self.decisions else [])}
+        deadline = time.monotonic() + self._find_wait_s
+        while True:  # a decision made on another node may not be shipped yet: wait for it a little
+            refs = self.decisions.by_request(request_id) if self.decisions else []
+            if refs or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        found = {r.decision_id: r for r in refs}
         if not found:
             raise NotFound(f"no decision '{request_id}' is kept (never recorded or past retention)")
         if len(found) > 1:

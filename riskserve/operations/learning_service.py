@@ -58,6 +58,12 @@ PURGE_S = 600.0
 ERROR_BACKOFF_S = 2.0
 
 
+def _ship_wait_s(spec: PipelineSpec) -> float:
+    """How long a label waits for a decision not in the trail yet: two of the ingress replicas' shipping
+    intervals and a transaction's time (a decision answered on another node is in the database by then)."""
+    return 0.0 if spec.audit is None else 2 * spec.audit.flush_ms / 1e3 + 0.25
+
+
 class FeedbackService:
     """Serve deployment: ``record_feedback``, ``status``; learns in a thread."""
 
@@ -78,6 +84,7 @@ class FeedbackService:
             db,
             lookup=DecisionLookup(db, self._spec.audit_dir()) if self._spec.audit is not None else None,
             retention_s=feedback.retention_hours * 3600,
+            find_wait_s=_ship_wait_s(self._spec),
         )
         limiter = SourceRateLimiter(
             feedback.source_rate_per_s,
