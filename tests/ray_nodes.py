@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -88,7 +89,7 @@ class RayCluster:
         command = [RAY, "start", f"--address={self.address}", f"--num-cpus={node.num_cpus}",
                    f"--resources={json.dumps(node.resources)}", "--node-ip-address=127.0.0.1",
                    "--disable-usage-stats"]  # fmt: skip
-        subprocess.run(command, check=True, env={**self.env, **node.env}, capture_output=True, timeout=120)
+        _run(command, {**self.env, **node.env})
         if node not in self.nodes:
             self.nodes.append(node)
 
@@ -97,15 +98,27 @@ class RayCluster:
             node.kill()
 
 
+def _run(command: list[str], env: dict[str, str]) -> None:
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-3000:]}")
+
+
 @contextlib.contextmanager
 def ray_cluster(head: RayNode, workers: list[RayNode], temp_dir: Path) -> Iterator[RayCluster]:
-    """Start ``head`` and ``workers`` (token auth off, loopback only); kill every process of each after."""
+    """Start ``head`` and ``workers`` with Ray's token authentication on; kill every process of each after.
+    ``RayCluster.env`` is what a driver joining it needs (the token's file included)."""
     port = _free_port()
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    token = temp_dir / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
     env = {
         **os.environ,
-        "RAY_AUTH_MODE": "disabled",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),
         "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # "0" (single-machine Ray) refuses a second raylet
     }
     cluster = RayCluster(address=f"127.0.0.1:{port}", nodes=[], env=env)
     for sub in ("state", "cache", "tmp"):
@@ -114,7 +127,7 @@ def ray_cluster(head: RayNode, workers: list[RayNode], temp_dir: Path) -> Iterat
                f"--resources={json.dumps(head.resources)}", "--node-ip-address=127.0.0.1",
                "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"]  # fmt: skip
     try:
-        subprocess.run(command, check=True, env={**env, **head.env}, capture_output=True, timeout=120)
+        _run(command, {**env, **head.env})
         cluster.nodes.append(head)
         for worker in workers:
             cluster.start_node(worker)

@@ -22,6 +22,7 @@ from riskserve.platform.metrics import AuditMetrics
 from riskserve.schema.pipeline import PipelineSpec
 from riskserve.schema.rules import Decision, ModelResult
 from riskserve.serving.reasons import Reason
+from riskserve.serving.version_watch import replica_identity
 from riskserve.state.db import open_database
 
 __all__ = ["audit_records", "audit_writer"]
@@ -47,6 +48,7 @@ def audit_writer(spec: PipelineSpec) -> AuditWriter | None:
         retention_s=audit.retention_days * 86400.0,
         purge_rows=audit.purge_rows,
         on_count=metrics.records,
+        node=replica_identity()[1],  # the Ray node: where a record was made, whatever the host names
     )
     if spec.feedback is not None:
         writer.layout(spec.features.column_names())  # kept before any record names it
