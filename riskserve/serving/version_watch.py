@@ -85,6 +85,8 @@ class VersionWatcher:
         self.generation = -1
         """The last generation applied (-1: none yet)."""
         self._error = ""
+        self._applied: dict[str, tuple[str, str | None]] = {}
+        """Model -> the (artifact, version) last applied: an unchanged entry is not fetched again."""
         self._reported_at = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -99,6 +101,8 @@ class VersionWatcher:
             entry = record.serving(name, self._yaml[name])
             target = self._yaml[name] if entry is None else entry.artifact
             expected = None if entry is None else entry.version
+            if self._applied.get(name) == (target, expected) and runner.ready:
+                continue  # another model or the shadows changed: this one stays as it is
             try:
                 local = await asyncio.to_thread(self._local, name, runner.artifact_kind, target)
                 await runner.serve(local, expected)
@@ -109,6 +113,8 @@ class VersionWatcher:
                 continue
             if runner.status().last_swap_error:
                 errors.append(f"{name}: {runner.status().last_swap_error}")
+            else:
+                self._applied[name] = (target, expected)
         if self._shadows is not None:
             await self._shadows(dict(record.shadows))
         self.generation = record.generation
