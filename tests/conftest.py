@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fcntl
-import itertools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,18 +49,10 @@ def postgres() -> Iterator[PostgresServer]:
         yield server
 
 
-_databases = itertools.count()
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def state_dsn(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh, empty state database on each backend: a SQLite file, or a new PostgreSQL database."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'state.sqlite'}"
     server: PostgresServer = request.getfixturevalue("postgres")
-    name = f"t{os.getpid()}_{next(_databases)}"
-    import psycopg
-
-    with psycopg.connect(server.dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    return server.dsn.rsplit("/", 1)[0] + f"/{name}"
+    return server.new_database()

@@ -19,6 +19,8 @@ from pathlib import Path
 
 __all__ = ["PostgresServer", "pg_bin", "postgres_server"]
 
+_databases = iter(range(1 << 30))
+
 
 def pg_bin() -> Path | None:
     """The directory of ``initdb``/``pg_ctl`` (Debian keeps them under /usr/lib/postgresql/N/bin)."""
@@ -69,6 +71,15 @@ class PostgresServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+    def new_database(self, prefix: str = "t") -> str:
+        """A fresh, empty database on this server; returns its DSN."""
+        import psycopg
+
+        name = f"{prefix}{os.getpid()}_{next(_databases)}"
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return self.dsn.rsplit("/", 1)[0] + f"/{name}"
 
 
 def _runner_user() -> str | None:

@@ -44,14 +44,6 @@ serve.run(build_application(spec), name=spec.name, route_prefix=None)
 """
 
 
-def _database(postgres: PostgresServer, name: str) -> str:
-    import psycopg
-
-    with psycopg.connect(postgres.dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    return postgres.dsn.rsplit("/", 1)[0] + f"/{name}"
-
-
 def _pipeline(tmp_path: Path, models: Path, dsn: str, port: int) -> dict[str, Any]:
     data: dict[str, Any] = yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text())
     data["name"] = "twonodes"
@@ -110,7 +102,7 @@ def test_a_decision_on_one_node_is_learned_through_the_other_and_serves_on_both(
     from ..integration.conftest import free_port
 
     port = free_port()
-    dsn = _database(postgres, f"twonodes_{os.getpid()}")
+    dsn = postgres.new_database("twonodes")
     data = _pipeline(tmp_path, demo_models, dsn, port)
     path = tmp_path / "twonodes.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -36,6 +36,7 @@ from tests import fault_injection
 
 from ..learning_helpers import own_connection, replica_statuses
 from ..load_helpers import versions_under_load
+from ..pg_server import PostgresServer
 from .conftest import ServeCluster, deploy, endpoint, pipeline_on
 
 
@@ -118,6 +119,7 @@ def pipeline(
     demo_models: Path,
     tmp_path_factory: pytest.TempPathFactory,
     candidates: dict[str, Path],
+    postgres: PostgresServer,
 ) -> Iterator[PipelineSpec]:
     import os
 
@@ -128,6 +130,7 @@ def pipeline(
         demo_models,
         serving={"ingress": {"replicas": INGRESS_REPLICAS}},
         models_root=str(candidates["seed1"].parent.parent),  # swap takes candidates from there only
+        state={"dsn": postgres.new_database()},  # swaps under load on PostgreSQL (SQLite: most others)
     )
     assert spec.models["fraud"].in_ingress, "the default placement of a scikit-learn model"
     assert spec.models["credit"].in_ingress

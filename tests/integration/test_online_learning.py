@@ -36,6 +36,7 @@ from riskserve.proto.riskserve.v1 import risk_pipeline_pb2_grpc as pb_grpc
 from riskserve.schema.pipeline import PipelineSpec, parse_pipeline
 
 from ..learning_helpers import BATCH, ONLINE, Labels, own_connection, replica_statuses
+from ..pg_server import PostgresServer
 from .conftest import GENEROUS_TIMEOUT_MS, PIPELINES, ServeCluster, deploy, endpoint, free_port
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,7 @@ APP = "learning"
 INGRESS_REPLICAS = 2
 
 
-def _spec(models: Path) -> PipelineSpec:
+def _spec(models: Path, dsn: str) -> PipelineSpec:
     data: dict[str, Any] = copy.deepcopy(yaml.safe_load((PIPELINES / "tabular_only.yaml").read_text()))
     data["name"] = APP
     data["pools"] = {"cpu": {"cpus": 2}}
@@ -53,7 +54,7 @@ def _spec(models: Path) -> PipelineSpec:
         model["timeout_ms"] = GENEROUS_TIMEOUT_MS
     data["models"]["fraud"]["online"] = ONLINE
     data["feedback"] = {"source_rate_per_s": 0.5, "source_burst": 100}
-    data["state"] = {"dsn": f"sqlite:///{Path(tempfile.mkdtemp(prefix='state-')) / 'state.sqlite'}"}
+    data["state"] = {"dsn": dsn}  # PostgreSQL: labels, the learner and its publishes (SQLite: tests/e2e)
     data["audit"] = {"path": tempfile.mkdtemp(prefix="audit-")}  # the decisions labels are joined to
     data["serving"] = {
         "decision_timeout_ms": GENEROUS_TIMEOUT_MS,
@@ -108,8 +109,10 @@ def _answered_versions(spec: PipelineSpec, request: pb.DecideRequest, connection
 
 
 @pytest.fixture(scope="module")
-def learning(serve_cluster: ServeCluster, demo_models: Path) -> Iterator[tuple[PipelineSpec, Labels]]:
-    spec = _spec(demo_models)
+def learning(
+    serve_cluster: ServeCluster, demo_models: Path, postgres: PostgresServer
+) -> Iterator[tuple[PipelineSpec, Labels]]:
+    spec = _spec(demo_models, postgres.new_database())
     deploy(spec)
     with RiskClient(endpoint(spec), pipeline=APP, timeout_s=30) as client:
         yield spec, Labels(spec, client)
