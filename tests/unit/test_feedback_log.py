@@ -48,10 +48,14 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def trail(tmp_path: Path, clock: FakeClock) -> Iterator[DecisionTrail]:
-    kept = DecisionTrail(tmp_path / "audit", clock=clock)
+def trail(state_dsn: str, clock: FakeClock) -> Iterator[DecisionTrail]:
+    """Decisions kept in the test's state database, with a connection of their own (as the ingress
+    replicas that ship them would): the database the feedback logs of the test use."""
+    db = open_database(state_dsn)
+    kept = DecisionTrail(db, clock=clock)
     yield kept
     kept.close()
+    db.close()
 
 
 Node = Callable[..., FeedbackLog]
@@ -60,12 +64,13 @@ Node = Callable[..., FeedbackLog]
 @pytest.fixture
 def node(state_dsn: str) -> Iterator[Node]:
     """Opens a feedback log on the test's state database with a connection of its own, as another process
-    or node would (joined to the audit trail in ``audit``, if given); all are closed after the test."""
+    or node would, joined to the audit trail in that same database (and to the journals in
+    ``journal_dir``, this node's, if given); all are closed after the test."""
     opened: list[FeedbackLog] = []
 
-    def open_log(audit: Path | None = None, **options: Any) -> FeedbackLog:
-        lookup = DecisionLookup(audit) if audit is not None else None
-        opened.append(FeedbackLog(open_database(state_dsn), lookup=lookup, **options))
+    def open_log(journal_dir: Path | None = None, **options: Any) -> FeedbackLog:
+        db = open_database(state_dsn)
+        opened.append(FeedbackLog(db, lookup=DecisionLookup(db, journal_dir), **options))
         return opened[-1]
 
     yield open_log
@@ -75,8 +80,8 @@ def node(state_dsn: str) -> Iterator[Node]:
 
 
 @pytest.fixture
-def log(node: Node, clock: FakeClock, trail: DecisionTrail) -> FeedbackLog:
-    return node(trail.directory, retention_s=100.0, clock=clock)
+def log(node: Node, clock: FakeClock) -> FeedbackLog:
+    return node(retention_s=100.0, clock=clock)
 
 
 def row(i: int) -> NDArray[np.float32]:
@@ -237,15 +242,15 @@ def test_purge_keeps_what_some_known_model_still_needs(
 CHILD = textwrap.dedent(
     """
     import sys
-    from pathlib import Path
     import numpy as np
     from riskserve.audit.lookup import DecisionLookup
     from riskserve.learning import FeedbackLog
     from riskserve.state.db import open_database
     from tests.unit.audit_records import DecisionTrail
 
-    trail = DecisionTrail(Path(sys.argv[2]))
-    log = FeedbackLog(open_database(sys.argv[1]), lookup=DecisionLookup(trail.directory))
+    db = open_database(sys.argv[1])
+    trail = DecisionTrail(db)  # the decisions are in the log's own database
+    log = FeedbackLog(db, lookup=DecisionLookup(db))
     features = np.arange(64, dtype=np.float32)
     columns = [f"c{j}" for j in range(64)]
     print("ready", flush=True)
@@ -258,12 +263,10 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_every_acknowledged_label_survives_kill_9_exactly_once(
-    state_dsn: str, node: Node, tmp_path: Path
-) -> None:
+def test_every_acknowledged_label_survives_kill_9_exactly_once(state_dsn: str, node: Node) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, state_dsn, str(tmp_path / "audit")],
+        [sys.executable, "-c", CHILD, state_dsn],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -283,7 +286,7 @@ def test_every_acknowledged_label_survives_kill_9_exactly_once(
     acked = [f"fb-{i}" for i in range(150)] + rest.split("\n")[:-1]
     assert acked == [f"fb-{i}" for i in range(len(acked))]
 
-    stored = node(tmp_path / "audit").pending("m", 1_000_000)
+    stored = node().pending("m", 1_000_000)
     ids = list(stored.feedback_ids)
     assert len(ids) == len(set(ids))
     assert set(acked) <= set(ids)  # every ack is durable; at most the in-flight call may be extra
@@ -355,8 +358,8 @@ def test_labels_are_applied_exactly_once_across_crashes(node: Node, tmp_path: Pa
     store = tmp_path / "models"
     store.mkdir()
     rng = np.random.default_rng(0)
-    trail = DecisionTrail(tmp_path / "audit")
-    log = node(trail.directory)
+    log = node()
+    trail = DecisionTrail(log.db)
     for i in range(45):
         features = rng.normal(size=len(COLUMNS)).astype(np.float32)
         trail.keep(f"r{i}", features, COLUMNS)
@@ -369,10 +372,10 @@ def test_labels_are_applied_exactly_once_across_crashes(node: Node, tmp_path: Pa
     ]
 
     with pytest.raises(Crash):
-        run_learner(node(trail.directory), store, batch_size=10, crash_at=2)  # 0, 1 marked; 2 lost
+        run_learner(node(), store, batch_size=10, crash_at=2)  # 0, 1 marked; 2 lost
     with pytest.raises(Crash):
-        run_learner(node(trail.directory), store, batch_size=10, crash_at=0)  # 2 retrained, lost again
-    final = run_learner(node(trail.directory), store, batch_size=10)
+        run_learner(node(), store, batch_size=10, crash_at=0)  # 2 retrained, lost again
+    final = run_learner(node(), store, batch_size=10)
 
     expected = reference(batches)
     np.testing.assert_array_equal(final.coef_, expected.coef_)
@@ -380,7 +383,7 @@ def test_labels_are_applied_exactly_once_across_crashes(node: Node, tmp_path: Pa
     assert final.t_ == expected.t_
     assert not np.array_equal(reference([*batches[:3], batches[2], *batches[3:]]).coef_, expected.coef_)
     trail.close()
-    log = node(trail.directory)
+    log = node()
     assert log.cursor("fraud").last_seq == int(everything.seqs[-1])
     assert len(log.pending("fraud", 10)) == 0
     assert load_state(log.cursor("fraud").version, store, len(COLUMNS)).coef_.tolist() == final.coef_.tolist()
@@ -390,13 +393,14 @@ def test_labels_are_applied_exactly_once_across_crashes(node: Node, tmp_path: Pa
 
 
 def test_a_decision_still_only_in_a_journal_takes_its_label_and_trains_on_its_row(
-    node: Node, tmp_path: Path, clock: FakeClock
+    node: Node, tmp_path: Path, clock: FakeClock, state_dsn: str
 ) -> None:
-    audit = tmp_path / "audit"
+    audit = tmp_path / "audit"  # this node's journals
     log = node(audit, retention_s=100.0, clock=clock)
-    with pytest.raises(NotFound):  # the lookup has looked at the (empty) directory already
+    with pytest.raises(NotFound):  # the lookup has looked in the database and the (empty) directory
         log.record_feedback("", 1, "fb-0", decision_id="d000001")
-    writer = AuditWriter(audit)  # a replica that started since, written ahead, not committed yet
+    replica_db = open_database(state_dsn)  # a replica on this node that started since: its connection
+    writer = AuditWriter(audit, replica_db)  # written ahead, not shipped to the database yet
     kept = record(1, clock.now)
     kept |= {"features": encode_row(row(1).tobytes()), "layout": writer.layout(COLUMNS)}
     writer.submit([kept])
@@ -406,10 +410,13 @@ def test_a_decision_still_only_in_a_journal_takes_its_label_and_trains_on_its_ro
     batch = log.pending("m", 10)  # the row comes from the journal
     np.testing.assert_array_equal(batch.x, row(1)[None, :])
     assert log.record_feedback("tx-1", 1, "fb-3").duplicate  # found by its caller's request id there too
-    writer.close()  # committed now, the journal drained
-    again = log.pending("m", 10)  # now from the slot's store: the same row
+    writer.close()  # shipped now, the journal drained
+    assert writer.store.count() == 1
+    assert not list(audit.glob("slot-*.journal/*.jsonl"))
+    again = log.pending("m", 10)  # now from the database: the same row
     np.testing.assert_array_equal(again.x, batch.x)
     assert log.record_feedback("tx-1", 1, "fb-2").duplicate  # by the caller's request id: its one label
+    replica_db.close()
 
 
 def test_a_label_whose_audit_record_is_gone_is_skipped_and_accounted_for(
@@ -436,8 +443,8 @@ def test_a_label_whose_audit_record_is_gone_is_skipped_and_accounted_for(
 def test_two_nodes_on_one_database_see_each_others_labels_and_answer_a_retry_as_a_duplicate(
     node: Node, trail: DecisionTrail, clock: FakeClock
 ) -> None:
-    node_a = node(trail.directory, retention_s=100.0, clock=clock)
-    node_b = node(trail.directory, retention_s=100.0, clock=clock)  # its migrations: found applied
+    node_a = node(retention_s=100.0, clock=clock)
+    node_b = node(retention_s=100.0, clock=clock)  # its migrations: found applied
     for i in range(3):
         decide(trail, i)
     first = node_a.record_feedback("r0", 1, "fb-0", source="bank")
@@ -467,7 +474,7 @@ def test_concurrent_labels_on_two_nodes_reach_a_concurrent_learner_each_exactly_
     commits late; and a decision labelled on both nodes at once keeps one label."""
     per_node = 60
     trail.keep_many([(f"r{i}", row(i), COLUMNS, "") for i in range(2 * per_node)])
-    nodes = [node(trail.directory, clock=clock) for _ in range(3)]
+    nodes = [node(clock=clock) for _ in range(3)]
     start = threading.Barrier(3)
     acks: list[tuple[str, bool]] = []
     errors: list[BaseException] = []

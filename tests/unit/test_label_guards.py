@@ -68,18 +68,18 @@ def state_db(state_dsn: str) -> Iterator[Database]:
     opened.close()
 
 
-def _log(db: Database, tmp_path: Path, clock: ManualClock | None = None) -> FeedbackLog:
-    """A feedback log joined to the audit trail beside it."""
-    lookup = DecisionLookup(tmp_path / "audit")
+def _log(db: Database, clock: ManualClock | None = None) -> FeedbackLog:
+    """A feedback log joined to the audit trail in the same database."""
+    lookup = DecisionLookup(db)
     if clock is None:
         return FeedbackLog(db, lookup=lookup)
     return FeedbackLog(db, lookup=lookup, clock=clock)
 
 
 def _decide(log: FeedbackLog, ids: list[str], x: np.ndarray) -> None:
-    """Decisions ``ids`` with rows ``x``, kept in the audit trail ``log`` joins labels to."""
+    """Decisions ``ids`` with rows ``x``, kept in the audit trail ``log`` joins labels to (its database)."""
     assert log.decisions is not None
-    trail = DecisionTrail(log.decisions.directory)
+    trail = DecisionTrail(log.db)
     trail.keep_many([(rid, x[i].astype(np.float32), COLUMNS, "") for i, rid in enumerate(ids)])
     trail.close()
 
@@ -96,10 +96,8 @@ def _admission(log: FeedbackLog, pipeline: str, **limits: float) -> LabelAdmissi
     return LabelAdmission(log, limiter, LearningMetrics(pipeline))
 
 
-def test_a_decision_takes_one_label_a_flip_is_refused_already_exists_and_counted(
-    state_db: Database, tmp_path: Path
-) -> None:
-    log = _log(state_db, tmp_path)
+def test_a_decision_takes_one_label_a_flip_is_refused_already_exists_and_counted(state_db: Database) -> None:
+    log = _log(state_db)
     _decide(log, ["r1"], np.zeros((1, len(COLUMNS))))
     desk = _admission(log, f"relabel-test-{state_db.backend}")  # a counter per backend: they are global
     first = desk.admit("r1", 1, "fb-1", "bank")
@@ -115,11 +113,9 @@ def test_a_decision_takes_one_label_a_flip_is_refused_already_exists_and_counted
     assert (batch.feedback_ids, batch.y.tolist()) == (("fb-1",), [1])
 
 
-def test_the_holdout_split_is_keyed_by_a_secret_of_the_state_database(
-    state_db: Database, tmp_path: Path
-) -> None:
-    key = _log(state_db, tmp_path).holdout_key()
-    assert _log(state_db, tmp_path).holdout_key() == key  # created once, then read back
+def test_the_holdout_split_is_keyed_by_a_secret_of_the_state_database(state_db: Database) -> None:
+    key = _log(state_db).holdout_key()
+    assert _log(state_db).holdout_key() == key  # created once, then read back
     ids = [f"fb-{i}" for i in range(4000)]
     keyed = {f for f in ids if is_holdout(f, 5, key)}
     public = {f for f in ids if int.from_bytes(hashlib.sha256(f.encode()).digest()[:8], "big") % 5 == 0}
@@ -176,7 +172,7 @@ def _online(**overrides: object) -> OnlineLearningSpec:
 def test_many_small_flipped_steps_stop_at_the_drift_bound_and_learning_pauses(
     data: TabularData, base_artifact: Path, tmp_path: Path, db: Database
 ) -> None:
-    log = _log(db, tmp_path)
+    log = _log(db)
     learner = OnlineLearner(log, "fraud", _online(), tmp_path / "learned")
     base = learner.adopt(base_artifact)
     ids = [f"r{i}" for i in range(640)]
@@ -198,7 +194,7 @@ def test_many_small_flipped_steps_stop_at_the_drift_bound_and_learning_pauses(
     assert 0.1 < drift <= 0.2 + 1e-9  # two capped steps, not quite in one direction
     assert learner.step(force=True) is None  # paused stays paused
     assert (
-        OnlineLearner(_log(db, tmp_path), "fraud", _online(), tmp_path / "learned").step(force=True) is None
+        OnlineLearner(_log(db), "fraud", _online(), tmp_path / "learned").step(force=True) is None
     )  # ... across a restart: the reason is in the log
     learner.adopt(served.artifact)  # a swap (the operator's word) resumes, measuring from the new baseline
     assert log.cursor("fraud").paused == ""
@@ -212,7 +208,7 @@ def test_many_small_flipped_steps_stop_at_the_drift_bound_and_learning_pauses(
 def test_the_golden_log_loss_bound_pauses_drift_the_coefficient_norm_does_not_see(
     data: TabularData, base_artifact: Path, tmp_path: Path, db: Database
 ) -> None:
-    log = _log(db, tmp_path)
+    log = _log(db)
     spec = _online(max_coef_step=100.0, max_drift=100.0, max_drift_logloss=0.001)
     learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned")
     learner.adopt(base_artifact)
@@ -234,7 +230,7 @@ def test_an_attacker_cannot_move_the_model_past_its_bound_or_hurt_honest_log_los
     """Eve decides crafted transactions and labels them backwards from a thousand invented sources, and
     tries to flip the honest bank's labels; the bank labels its own decisions truthfully meanwhile."""
     clock = ManualClock()
-    log = _log(db, tmp_path, clock)
+    log = _log(db, clock)
     spec = OnlineLearningSpec.model_validate(  # the YAML defaults, with a mini-batch a test can fill
         {"batch_size": 128, "interval_ms": 1000, "min_holdout_rows": 20}
     )
@@ -298,7 +294,7 @@ def test_an_attacker_cannot_move_the_model_past_its_bound_or_hurt_honest_log_los
 def test_honest_labels_alone_stay_inside_the_default_drift_bound(
     data: TabularData, base_artifact: Path, tmp_path: Path, db: Database
 ) -> None:
-    log = _log(db, tmp_path)
+    log = _log(db)
     spec = OnlineLearningSpec.model_validate({"batch_size": 128, "min_holdout_rows": 20})  # YAML defaults
     learner = OnlineLearner(log, "fraud", spec, tmp_path / "learned", holdout_key=b"\x02" * 32)
     base = learner.adopt(base_artifact)
@@ -318,11 +314,11 @@ def test_honest_labels_alone_stay_inside_the_default_drift_bound(
     assert drift_logloss < spec.max_drift_logloss / 2
 
 
-def test_a_server_issued_decision_id_defeats_request_id_squatting(state_db: Database, tmp_path: Path) -> None:
-    log = _log(state_db, tmp_path)
+def test_a_server_issued_decision_id_defeats_request_id_squatting(state_db: Database) -> None:
+    log = _log(state_db)
     eve_row, bank_row = np.full(len(COLUMNS), 9.0, np.float32), np.zeros(len(COLUMNS), np.float32)
     # Eve decides first under the bank's next request_id; the bank's own decision still gets its own id.
-    trail = DecisionTrail(tmp_path / "audit")
+    trail = DecisionTrail(state_db)
     trail.keep_many([("d-eve", eve_row, COLUMNS, "tx-42"), ("d-bank", bank_row, COLUMNS, "tx-42")])
     with pytest.raises(InvalidInput, match="several decisions") as info:
         log.record_feedback("tx-42", 1, "fb-1")  # an old client's label is not joined to Eve's decision

@@ -51,14 +51,14 @@ Opener = Callable[..., FeedbackLog]
 
 
 @pytest.fixture
-def open_log(state_dsn: str, tmp_path: Path) -> Iterator[Opener]:
+def open_log(state_dsn: str) -> Iterator[Opener]:
     """Opens the learner's log on the test's state database, with a connection of its own (as a new process
-    or another node would), joined to the audit trail in ``tmp_path / "audit"``; closed after the test."""
+    or another node would), joined to the audit trail in that same database; closed after the test."""
     opened: list[FeedbackLog] = []
 
     def open_(clock: Callable[[], float] = time.time) -> FeedbackLog:
-        lookup = DecisionLookup(tmp_path / "audit")
-        opened.append(FeedbackLog(open_database(state_dsn), lookup=lookup, clock=clock))
+        db = open_database(state_dsn)
+        opened.append(FeedbackLog(db, lookup=DecisionLookup(db), clock=clock))
         return opened[-1]
 
     yield open_
@@ -70,10 +70,10 @@ def open_log(state_dsn: str, tmp_path: Path) -> Iterator[Opener]:
 def _record(
     log: FeedbackLog, x: np.ndarray, y: np.ndarray, *, start: int = 0, prefix: str = "fb"
 ) -> list[str]:
-    """Decisions for rows ``x`` (in the audit trail the log joins) and one label each; returns the
-    feedback ids in the order sent."""
+    """Decisions for rows ``x`` (in the audit trail the log joins: its own database) and one label each;
+    returns the feedback ids in the order sent."""
     assert log.decisions is not None
-    trail = DecisionTrail(log.decisions.directory)
+    trail = DecisionTrail(log.db)
     trail.keep_many([(f"r{start + i}", x[i].astype(np.float32), COLUMNS, "") for i in range(len(x))])
     trail.close()
     ids = []
@@ -337,8 +337,9 @@ LEARNER = textwrap.dedent(
     from riskserve.schema.pipeline import OnlineLearningSpec
     from riskserve.state.db import open_database
 
-    dsn, audit, learned, settings, kill_at = sys.argv[1:]
-    log = FeedbackLog(open_database(dsn), lookup=DecisionLookup(Path(audit)))
+    dsn, learned, settings, kill_at = sys.argv[1:]
+    db = open_database(dsn)  # the labels and the decisions they join: one database
+    log = FeedbackLog(db, lookup=DecisionLookup(db))
     learner = OnlineLearner(log, "fraud", OnlineLearningSpec.model_validate_json(settings), Path(learned))
     real_mark = log.mark_applied
     marks = 0
@@ -368,8 +369,7 @@ def test_labels_are_applied_exactly_once_across_kill_9_of_a_learner_and_a_restar
     ids = _record(log, x, y)
     base = OnlineLearner(log, "fraud", spec, node_a / "learned").adopt(node_a / "fraud")
     child = subprocess.run(
-        [sys.executable, "-c", LEARNER, state_dsn, str(tmp_path / "audit"), str(node_a / "learned"),
-         spec.model_dump_json(), "3"],
+        [sys.executable, "-c", LEARNER, state_dsn, str(node_a / "learned"), spec.model_dump_json(), "3"],
         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert child.returncode == -signal.SIGKILL, child.stderr
