@@ -413,9 +413,9 @@ class FeedbackLog:
                 f"decision '{decision_id}' was not made for request '{request_id}'", field="request_id"
             )
         with self.db.transaction() as tx:
-            turn = tx.one("UPDATE feedback_seq SET last_seq = last_seq + 1 WHERE id = 1 RETURNING last_seq")
-            assert turn is not None, "migration 1 writes the counter's one row"
-            seq = int(turn[0])
+            # The label's turn: the counter's row lock (a no-op update) until this commits, so labels get
+            # their numbers in commit order; a retry or a duplicate takes no number (no gap in the order).
+            tx.execute("UPDATE feedback_seq SET last_seq = last_seq WHERE id = 1")
             # Checked again in the turn: a call to another node may have recorded it since.
             retry = self._retry(tx, feedback_id, request_id, decision_id, value)
             if retry is not None:
@@ -427,6 +427,9 @@ class FeedbackLog:
                         f"decision '{named}' already has label {first[1]}; a decision takes one label"
                     )
                 return FeedbackAck(accepted=True, duplicate=True, seq=int(first[0]))
+            turn = tx.one("UPDATE feedback_seq SET last_seq = last_seq + 1 WHERE id = 1 RETURNING last_seq")
+            assert turn is not None, "migration 1 writes the counter's one row"
+            seq = int(turn[0])
             tx.execute(
                 "INSERT INTO feedback"
                 " (seq, feedback_id, request_id, label, source, received_at, caller_id, decided_at)"

@@ -127,6 +127,18 @@ def test_a_retried_feedback_id_is_a_duplicate_and_the_label_is_logged_once(
     assert log.record_feedback("", 1, "fb-1", decision_id="r1").duplicate  # by its decision id too
 
 
+def test_retries_and_duplicates_take_no_number_so_labels_are_numbered_without_gaps(
+    log: FeedbackLog, trail: DecisionTrail
+) -> None:
+    decide(trail, 1)
+    decide(trail, 2)
+    first = log.record_feedback("r1", 1, "fb-1", source="chargebacks")
+    log.record_feedback("r1", 1, "fb-1", source="chargebacks")  # a retry
+    log.record_feedback("r1", 1, "fb-other", source="analyst")  # the same verdict for the same decision
+    second = log.record_feedback("r2", 0, "fb-2", source="chargebacks")
+    assert second.seq == first.seq + 1  # a learner counting labels by number sees every one it waits for
+
+
 def test_a_feedback_id_reused_for_another_payload_is_a_conflict(
     log: FeedbackLog, trail: DecisionTrail
 ) -> None:
