@@ -9,13 +9,14 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.sockets import free_port
 
 __all__ = ["PostgresServer", "pg_bin", "postgres_server"]
 
@@ -29,12 +30,6 @@ def pg_bin() -> Path | None:
         return Path(found).resolve().parent
     candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
     return Path(candidates[-1]).parent if candidates else None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -104,7 +99,7 @@ def postgres_server() -> Iterator[PostgresServer]:
         entry = pwd.getpwnam(user)
         os.chown(data, entry.pw_uid, entry.pw_gid)
     data.chmod(0o700)
-    server = PostgresServer(data=data, port=_free_port(), bin=binaries, user=user)
+    server = PostgresServer(data=data, port=free_port(), bin=binaries, user=user)
     server._run("initdb", "-D", str(data / "db"), "-U", "riskserve", "--auth=trust", "-E", "UTF8")
     server.start()
     try:

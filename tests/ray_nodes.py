@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.sockets import free_port
+
 __all__ = ["RayCluster", "RayNode", "ray_cluster"]
 
 MARK = "RISKSERVE_TEST_NODE"
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -108,7 +103,7 @@ def _run(command: list[str], env: dict[str, str]) -> None:
 def ray_cluster(head: RayNode, workers: list[RayNode], temp_dir: Path) -> Iterator[RayCluster]:
     """Start ``head`` and ``workers`` with Ray's token authentication on; kill every process of each after.
     ``RayCluster.env`` is what a driver joining it needs (the token's file included)."""
-    port = _free_port()
+    port = free_port()
     temp_dir.mkdir(parents=True, exist_ok=True)
     token = temp_dir / "auth_token"
     token.write_text(secrets.token_hex(32))

@@ -29,3 +29,10 @@ def listening_sockets() -> dict[str, tuple[str, int]]:
 def is_loopback(address: str) -> bool:
     """Whether a listening address is reachable from this machine only."""
     return address.startswith(("127.", "::ffff:127.")) or address == "::1"
+
+
+def free_port() -> int:
+    """A loopback TCP port free now (the kernel's pick; another process may take it before it is bound)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

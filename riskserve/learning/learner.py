@@ -56,6 +56,7 @@ from pydantic import BaseModel as _Schema
 from pydantic import ConfigDict
 
 from riskserve.learning.feedback_log import Batch, Checkpoint, Cursor, FeedbackLog
+from riskserve.platform.durable import fsync_dir
 from riskserve.platform.errors import ModelLoadError
 from riskserve.schema.pipeline import OnlineLearningSpec
 from riskserve.wrappers.sklearn_model import (
@@ -548,7 +549,7 @@ class OnlineLearner:
             )
             _fsync_tree(tmp)
             os.rename(tmp, final)
-            _fsync_dir(self.artifact_dir)
+            fsync_dir(self.artifact_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return LearnedVersion(
@@ -578,15 +579,7 @@ def _fsync_tree(root: Path) -> None:
     for path in root.iterdir():
         with path.open("rb") as handle:
             os.fsync(handle.fileno())
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(root)
 
 
 def train_step(

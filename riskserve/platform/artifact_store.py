@@ -42,6 +42,7 @@ from riskserve.platform.artifacts import (
     open_artifact,
     sha256_bytes,
 )
+from riskserve.platform.durable import fsync_dir, fsync_file
 from riskserve.platform.errors import ArtifactIntegrityError, ConfigError, RiskServeError
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class ArtifactStore:
             created = not parent.is_dir()
             parent.mkdir(parents=True, exist_ok=True)
             if created:
-                _fsync_dir(parent.parent)
+                fsync_dir(parent.parent)
             staging = parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
             staging.mkdir()  # the umask's mode, not 0700: other nodes' users may read the volume
         except OSError as error:
@@ -282,7 +283,7 @@ def _download(fs: AbstractFileSystem, base: str, manifest_bytes: bytes, staging:
             _copy_stream(source, staging / SIGNATURE_NAME, limit=_MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         pass  # unsigned: open_artifact refuses it when a key is required
-    _fsync_dir(staging)
+    fsync_dir(staging)
 
 
 def _relative(name: str) -> PurePosixPath:
@@ -349,15 +350,15 @@ def _copy_artifact(source: Path, target: Path, *, private: bool) -> None:
         else:
             destination.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(origin, destination)
-            _fsync_file(destination)
+            fsync_file(destination)
     if private:
         _write_private(target / MANIFEST_NAME, manifest_bytes)
     else:
         (target / MANIFEST_NAME).write_bytes(manifest_bytes)
-        _fsync_file(target / MANIFEST_NAME)
+        fsync_file(target / MANIFEST_NAME)
     for directory in sorted({(target / name).parent for name in manifest.files}, reverse=True):
-        _fsync_dir(directory)
-    _fsync_dir(target)
+        fsync_dir(directory)
+    fsync_dir(target)
 
 
 def _check_copy(local_dir: Path, copy: Path, kind: str, public_key: bytes | None) -> ArtifactManifest:
@@ -380,7 +381,7 @@ def _install(staging: Path, final: Path, kind: str, public_key: bytes | None) ->
             if error.errno not in {errno.EEXIST, errno.ENOTEMPTY}:
                 raise ArtifactIntegrityError(f"{final}: cannot publish: {error}") from error
         else:
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
             return
         if _verifies(final, kind, public_key):
             return
@@ -435,16 +436,3 @@ def _remove_stale_temporaries(candidates: Iterable[Path]) -> None:
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
             continue  # gone meanwhile (another process cleaned it) or unreadable: not ours to fix
-
-
-def _fsync_file(path: Path) -> None:
-    with path.open("rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
