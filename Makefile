@@ -51,7 +51,8 @@ unit: setup
 reliability: setup
 	$(BIN)/pytest -m "reliability or long" tests/reliability tests/integration/test_audit_kill.py
 
-# riskserve against a hand-written grpc.aio server with the same models, in one run (BENCHMARKS.md).
+# riskserve against a hand-written grpc.aio server with the same models, in one run (BENCHMARKS.md); last, the
+# state store on SQLite against PostgreSQL (needs PostgreSQL's binaries: apt-get install postgresql).
 bench: models
 	$(BIN)/python bench/models.py --models $(MODELS)
 	$(BIN)/python bench/hotpath.py --models $(MODELS)
@@ -60,6 +61,7 @@ bench: models
 	$(BIN)/python bench/lane_transport.py
 	$(BIN)/python bench/shadow.py --models $(MODELS)
 	$(BIN)/python bench/audit.py
+	$(BIN)/python bench/state_backends.py --models $(MODELS)
 
 # riskserve side by side with MLServer, KServe, Triton (PyTriton) and plain Ray Serve, in one run
 # (BENCHMARKS.md). Each peer installs on first use into its own venv under ~/.cache/riskserve/peers.

@@ -65,10 +65,13 @@ def plot_latency(out_dir: Path, name: str, series: dict[str, dict[int, float]], 
     return path
 
 
-def write_local_pipeline(data: dict[str, Any], models: Path, run_dir: Path, stem: str) -> Path:
+def write_local_pipeline(
+    data: dict[str, Any], models: Path, run_dir: Path, stem: str, *, dsn: str | None = None
+) -> Path:
     """A pipeline document made to run from a scratch directory: artifacts at absolute paths into
     ``models``; its state database (the feedback log), audit trail, learned versions and traces under
-    ``run_dir``, named from ``stem``.
+    ``run_dir``, named from ``stem``. ``dsn``: the state database instead (always set, with or without
+    ``feedback``: e.g. a PostgreSQL database the benchmark started).
     Written as ``run_dir/STEM.yaml``, whose path is returned (a benchmark never writes into ``var/``)."""
     import yaml
 
@@ -76,7 +79,9 @@ def write_local_pipeline(data: dict[str, Any], models: Path, run_dir: Path, stem
         model["artifact"] = str((models / model_name).resolve())
         if model.get("online", {}).get("artifact_dir"):
             model["online"]["artifact_dir"] = str(run_dir / f"{stem}-learned" / model_name)
-    if "feedback" in data:  # labels, cursors and checkpoints: the pipeline's state database
+    if dsn is not None:
+        data["state"] = {"dsn": dsn}
+    elif "feedback" in data:  # labels, cursors and checkpoints: the pipeline's state database
         data["state"] = {"dsn": f"sqlite:///{run_dir / f'{stem}-state.sqlite'}"}
     if "audit" in data:
         data["audit"]["path"] = str(run_dir / f"{stem}-audit")

@@ -59,7 +59,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -433,14 +433,28 @@ def _bound(seconds: float, warmup_calls: int) -> float:
     return 60.0 + seconds + 10.0 + warmup_calls * 0.5
 
 
-def closed(system: Running, concurrency: int, calls: int, plan: Plan, channels: int) -> dict[str, Any]:
-    """Closed loop at ``concurrency``, with the server tree's CPU over exactly the window and its memory."""
+def closed(
+    system: Running,
+    concurrency: int,
+    calls: int,
+    plan: Plan,
+    channels: int,
+    *,
+    others: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """Closed loop at ``concurrency``, with the server tree's CPU over exactly the window and its memory.
+
+    ``others``: more process trees (name -> root pid) whose CPU over the same window is reported too, in
+    ``result["others"][name]`` (a database server the system uses: its processes are not the server's).
+    """
     samples: dict[str, TreeSample] = {}
     times: dict[str, float] = {}
+    roots = {"server": system.root_pid, **(others or {})}
 
     def mark(which: str) -> Callable[[], None]:
         def sample() -> None:
-            samples[which] = sample_tree(system.root_pid)
+            for name, pid in roots.items():
+                samples[f"{which}:{name}"] = sample_tree(pid)
             times[which] = time.perf_counter()
 
         return sample
@@ -455,17 +469,26 @@ def closed(system: Running, concurrency: int, calls: int, plan: Plan, channels: 
         on_start=mark("start"),
         on_end=mark("end"),
     )
-    cpu_s, exited = cpu_delta(samples["start"], samples["end"])
+    cpu_s, exited = cpu_delta(samples["start:server"], samples["end:server"])
     window = times["end"] - times["start"]
     result["server"] = {
         "cpu_s": cpu_s,
         "window_s": window,
         "cores_busy": cpu_s / window if window > 0 else 0.0,
         "cpu_ms_per_decision": cpu_s * 1e3 / max(result["decisions"], 1),
-        "processes": len(samples["end"].cpu_s),
+        "processes": len(samples["end:server"].cpu_s),
         "processes_exited_in_window": exited,
         "rss_mb": rss_bytes(system.root_pid) / 2**20,
     }
+    if others:
+        result["others"] = {}
+        for name in others:
+            other_s, _ = cpu_delta(samples[f"start:{name}"], samples[f"end:{name}"])
+            result["others"][name] = {
+                "cpu_s": other_s,
+                "cores_busy": other_s / window if window > 0 else 0.0,
+                "cpu_ms_per_decision": other_s * 1e3 / max(result["decisions"], 1),
+            }
     return result
 
 
