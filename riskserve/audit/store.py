@@ -148,6 +148,16 @@ def _insert_sql(rows: int) -> str:
     return f"INSERT INTO audit_decisions ({_COLUMNS}) VALUES {values} ON CONFLICT (decision_id) DO NOTHING"
 
 
+_PG_INSERT_JSON = (
+    f"INSERT INTO audit_decisions ({_COLUMNS}) SELECT r->>'decision_id', r->>'request_id', "
+    "(r->>'decided_at')::float8, r->>'pipeline', r->>'pipeline_version', r->>'outcome', ?, ?, r::text "
+    "FROM json_array_elements(?::json) AS r ON CONFLICT (decision_id) DO NOTHING"
+)
+"""PostgreSQL's insert of a batch: the records' JSON lines as ONE parameter, split and read by the server
+(nine parameters a record cost the shipping thread ~60 µs of CPU a record in psycopg's adaptation, which
+the decisions' event loop waits on; this costs ~20)."""
+
+
 class AuditStore:
     """The audit tables of one state database; thread-safe (every call is its own transaction; reads take
     no write lock). The schema is installed on first use, so a replica starts while the database is down.
@@ -193,7 +203,11 @@ class AuditStore:
         with self.db.transaction() as tx:
             for start in range(0, len(rows), ROWS_PER_INSERT):
                 chunk = rows[start : start + ROWS_PER_INSERT]
-                new += tx.execute(_insert_sql(len(chunk)), [value for row in chunk for value in row])
+                if self.db.backend == "postgresql":  # one parameter: PostgreSQL splits the records itself
+                    array = "[" + ",".join(texts[start : start + ROWS_PER_INSERT]) + "]"
+                    new += tx.execute(_PG_INSERT_JSON, (node, replica, array))
+                else:
+                    new += tx.execute(_insert_sql(len(chunk)), [value for row in chunk for value in row])
         return new
 
     def add_layouts(self, layouts: Mapping[str, Sequence[str]]) -> None:
