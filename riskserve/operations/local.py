@@ -290,11 +290,8 @@ def up_local(
     for spec in specs:
         if reset_served:
             reset(spec)
-        store = open_versions(spec)
-        try:
+        with open_versions(spec) as store:
             check_record(spec, store)  # a recorded artifact that cannot serve fails here, naming --reset
-        finally:
-            store.db.close()
     directory = state_dir()
     token = install_token(directory)  # makes the directory 0700 too
     log_path = directory / "riskserve.log"

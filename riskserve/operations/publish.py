@@ -35,7 +35,6 @@ __all__ = [
     "CONFIRM_TIMEOUT_S",
     "LIVE_S",
     "Published",
-    "application_status",
     "every_replica",
     "model_status",
     "publish_shadows",
@@ -71,16 +70,6 @@ def model_status(spec: PipelineSpec, model: str) -> ModelStatus:
     ingress = serve.get_deployment_handle(INGRESS, app_name=spec.name)
     status: ModelStatus = ingress.model_status.remote(model).result(timeout_s=30)
     return status
-
-
-def application_status(name: str) -> str:
-    """Serve's status of an application (``RUNNING``, ``DEPLOYING``, ``DELETING``, ...; ``NOT_STARTED``)."""
-    from ray import serve
-
-    app = serve.status().applications.get(name)
-    if app is None:
-        return "NOT_STARTED"
-    return str(getattr(app.status, "value", app.status))
 
 
 def every_replica(
@@ -151,8 +140,8 @@ def publish_version(
         raise NotFound(f"pipeline '{spec.name}' has no model '{model}'")
     base = base_of(spec, model)
     entry = VersionEntry(artifact=artifact, version=version, source=source, at=time.time(), note=note)
-    while True:
-        record = store.read(spec.name)
+
+    def add(record: VersionsRecord) -> VersionsRecord:
         current = record.serving(model, base)
         serving = current.version if current is not None else replica_version(store, spec.name, model)
         if expected is not None and serving is not None and serving != expected:
@@ -160,13 +149,10 @@ def publish_version(
                 f"'{model}' serves {serving}, not {expected} the candidate was verified against: another "
                 "publish came first; run it again"
             )
-        try:
-            stored = store.compare_and_set(
-                _with_entry(record, model, base, entry, expected), record.generation
-            )
-            break
-        except Conflict:
-            continue  # another model or the shadows changed: read again (this model's change is checked)
+        return _with_entry(record, model, base, entry, expected)
+
+    stored = store.update(spec.name, add)
+    assert stored is not None, "add() always writes"
     started = time.monotonic()
     confirmed, refused, unconfirmed = wait_for_replicas(
         store, spec.name, stored.generation, model=model, version=version, timeout_s=timeout_s
@@ -183,18 +169,16 @@ def publish_version(
 
 def _take_out(store: VersionsStore, pipeline: str, model: str, entry: VersionEntry) -> None:
     """Remove ``entry`` from ``model``'s history (a refused publish), whatever was written since."""
-    while True:
-        record = store.read(pipeline)
+
+    def remove(record: VersionsRecord) -> VersionsRecord | None:
         served = record.models.get(model)
         if served is None or entry not in served.entries:
-            return
+            return None
         new = record.model_copy(deep=True)
         new.models[model].entries = [e for e in served.entries if e != entry]
-        try:
-            store.compare_and_set(new, record.generation)
-            return
-        except Conflict:
-            continue
+        return new
+
+    store.update(pipeline, remove)
 
 
 def publish_shadows(
@@ -205,14 +189,8 @@ def publish_shadows(
     timeout_s: float = CONFIRM_TIMEOUT_S,
 ) -> Published:
     """Make ``shadows`` the pipeline's shadow candidates and wait until every live replica applied them."""
-    while True:
-        record = store.read(spec.name)
-        new = record.model_copy(update={"shadows": dict(shadows)})
-        try:
-            stored = store.compare_and_set(new, record.generation)
-            break
-        except Conflict:
-            continue
+    stored = store.update(spec.name, lambda record: record.model_copy(update={"shadows": dict(shadows)}))
+    assert stored is not None
     started = time.monotonic()
     confirmed, _, unconfirmed = wait_for_replicas(store, spec.name, stored.generation, timeout_s=timeout_s)
     return Published(stored.generation, confirmed, unconfirmed, time.monotonic() - started)

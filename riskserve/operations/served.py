@@ -9,7 +9,8 @@ An entry counts only while the YAML still names the artifact it was recorded ove
 
 from __future__ import annotations
 
-from pathlib import Path
+import contextlib
+from collections.abc import Iterator
 
 from riskserve.platform.artifacts import open_artifact
 from riskserve.platform.errors import ArtifactIntegrityError, ConfigError, NotFound
@@ -22,15 +23,19 @@ __all__ = [
     "check_record",
     "open_versions",
     "record_rollback",
-    "relative_to_yaml",
     "reset",
     "served_entries",
 ]
 
 
-def open_versions(spec: PipelineSpec) -> VersionsStore:
-    """The versions record of ``spec``'s state store (the caller closes ``store.db`` when done)."""
-    return VersionsStore(open_database(spec.state_dsn()))
+@contextlib.contextmanager
+def open_versions(spec: PipelineSpec) -> Iterator[VersionsStore]:
+    """The versions record of ``spec``'s state store, for one operator command (closed after it)."""
+    store = VersionsStore(open_database(spec.state_dsn()))
+    try:
+        yield store
+    finally:
+        store.db.close()
 
 
 def base_of(spec: PipelineSpec, model: str) -> str:
@@ -91,13 +96,5 @@ def record_rollback(spec: PipelineSpec, store: VersionsStore, model: str) -> Ver
 def reset(spec: PipelineSpec) -> int:
     """Forget what ``spec``'s models served (``riskserve up --reset``): the YAML's artifacts serve next.
     Returns how many models had a recorded version."""
-    store = open_versions(spec)
-    try:
+    with open_versions(spec) as store:
         return store.reset(spec.name)
-    finally:
-        store.db.close()
-
-
-def relative_to_yaml(spec: PipelineSpec, artifact: str) -> str:
-    """``artifact`` as an absolute path when it is a local one (URIs stay as they are)."""
-    return artifact if "://" in artifact else str(Path(artifact).resolve())

@@ -44,19 +44,13 @@ def _local(pipeline: str, state: LocalState | None) -> tuple[LocalState, Pipelin
 
 def _config(spec: PipelineSpec) -> dict[str, dict[str, Any]]:
     """The shadows the versions record names."""
-    store = open_versions(spec)
-    try:
+    with open_versions(spec) as store:
         return dict(store.read(spec.name).shadows)
-    finally:
-        store.db.close()
 
 
 def _publish(spec: PipelineSpec, shadows: dict[str, dict[str, Any]]) -> None:
-    store = open_versions(spec)
-    try:
+    with open_versions(spec) as store:
         publish_shadows(spec, store, shadows)
-    finally:
-        store.db.close()
 
 
 def _figures(spec: PipelineSpec, *, timeout_s: float = 30.0) -> list[ShadowFigures]:

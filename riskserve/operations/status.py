@@ -82,11 +82,8 @@ def _provenance(spec: PipelineSpec) -> dict[str, str]:
     """Per model that does not serve its YAML artifact: why (the versions record's entry)."""
     import time
 
-    store = open_versions(spec)
-    try:
+    with open_versions(spec) as store:
         entries = served_entries(spec, store)
-    finally:
-        store.db.close()
     out = {}
     for model, entry in entries.items():
         ago = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.at))

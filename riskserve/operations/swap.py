@@ -29,7 +29,7 @@ from riskserve.operations.state import state_dir
 from riskserve.platform.errors import Conflict, InvalidInput, ModelLoadError, NotFound, RiskServeError
 from riskserve.schema.deployments import FEEDBACK, INGRESS
 from riskserve.schema.pipeline import PipelineSpec
-from riskserve.state.versions import Source
+from riskserve.state.versions import Source, VersionsRecord
 
 __all__ = [
     "SwapResult",
@@ -153,11 +153,8 @@ def _publish(
     """Publish a verified candidate: with a learner, through the feedback service (it adopts the candidate
     for later labels once every replica serves it); else from here, under :func:`exclusive`."""
     if spec.feedback is None:
-        store = open_versions(spec)
-        try:
+        with open_versions(spec) as store:
             publish_version(spec, store, model, artifact, version, source=source, expected=expected)
-        finally:
-            store.db.close()
         return
     from ray import serve
 
@@ -178,11 +175,8 @@ def rollback(spec: PipelineSpec, model: str) -> SwapResult:
     Raises:
         NotFound: the model has no earlier entry.
     """
-    store = open_versions(spec)
-    try:
+    with open_versions(spec) as store:
         target = record_rollback(spec, store, model)
-    finally:
-        store.db.close()
     result = _swap_verified(spec, model, target.artifact, "rollback")
     _drop_rolled_back(spec, model)
     return result
@@ -191,25 +185,18 @@ def rollback(spec: PipelineSpec, model: str) -> SwapResult:
 def _drop_rolled_back(spec: PipelineSpec, model: str) -> None:
     """Once a rollback to the entry before the last is confirmed (recorded as the newest entry), drop the
     version rolled back from and that duplicate, so the next rollback goes one further back."""
-    from riskserve.platform.errors import Conflict as _Conflict
 
-    store = open_versions(spec)
-    try:
-        while True:
-            record = store.read(spec.name)
-            served = record.models.get(model)
-            if served is None or len(served.entries) < 3:
-                return
-            *older, _target, _left, newest = served.entries  # [..., A, B, A again]: A serves, B is gone
-            new = record.model_copy(deep=True)
-            new.models[model].entries = [*older, newest]
-            try:
-                store.compare_and_set(new, record.generation)
-                return
-            except _Conflict:
-                continue
-    finally:
-        store.db.close()
+    def drop(record: VersionsRecord) -> VersionsRecord | None:
+        served = record.models.get(model)
+        if served is None or len(served.entries) < 3:
+            return None
+        *older, _target, _left, newest = served.entries  # [..., A, B, A again]: A serves, B is gone
+        new = record.model_copy(deep=True)
+        new.models[model].entries = [*older, newest]
+        return new
+
+    with open_versions(spec) as store:
+        store.update(spec.name, drop)
 
 
 def _local(pipeline: str, state: LocalState | None) -> tuple[LocalState, PipelineSpec]:

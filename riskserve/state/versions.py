@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel as _Schema
@@ -197,21 +198,33 @@ class VersionsStore:
             )
         return new
 
+    def update(
+        self, pipeline: str, change: Callable[[VersionsRecord], VersionsRecord | None]
+    ) -> VersionsRecord | None:
+        """Write ``change(record)`` as a compare-and-set, reading the record again and redoing the change
+        when another writer came first. ``change`` returns a new record (it must not modify the one it is
+        given), or ``None`` to write nothing; what it raises propagates. Returns what was stored."""
+        while True:
+            record = self.read(pipeline)
+            new = change(record)
+            if new is None:
+                return None
+            try:
+                return self.compare_and_set(new, record.generation)
+            except Conflict:
+                continue
+
     def reset(self, pipeline: str) -> int:
         """Forget every recorded version (``riskserve up --reset``): the YAML's artifacts serve next.
         Returns how many models had a record. The generation still moves on, so watching replicas apply it."""
-        while True:
-            record = self.read(pipeline)
-            if record.generation == 0:
-                return 0
+        forgotten = 0
+
+        def forget(record: VersionsRecord) -> VersionsRecord | None:
+            nonlocal forgotten
             forgotten = sum(1 for served in record.models.values() if served.entries)
-            try:
-                self.compare_and_set(
-                    VersionsRecord(pipeline=pipeline, reset_at=time.time()), record.generation
-                )
-            except Conflict:
-                continue
-            return forgotten
+            return None if record.generation == 0 else VersionsRecord(pipeline=pipeline, reset_at=time.time())
+
+        return forgotten if self.update(pipeline, forget) is not None else 0
 
     def report(
         self,
