@@ -256,6 +256,12 @@ class ModelRunner:
             await loaded.host.stop()
 
     @property
+    def public_key(self) -> bytes | None:
+        """The raw Ed25519 key this model's artifacts must be signed with (``None``: not signed)."""
+        key = self._settings.get("manifest_public_key")
+        return bytes.fromhex(str(key)) if key else None
+
+    @property
     def artifact_kind(self) -> str:
         """The kind written in the artifact's manifest (a wrapping backend serves another kind's)."""
         model_class, _ = self._backends(self.kind)

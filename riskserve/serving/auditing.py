@@ -23,23 +23,23 @@ from riskserve.schema.pipeline import PipelineSpec
 from riskserve.schema.rules import Decision, ModelResult
 from riskserve.serving.reasons import Reason
 from riskserve.serving.version_watch import replica_identity
-from riskserve.state.db import open_database
+from riskserve.state.db import Database
 
 __all__ = ["audit_records", "audit_writer"]
 
 
-def audit_writer(spec: PipelineSpec) -> AuditWriter | None:
+def audit_writer(spec: PipelineSpec, db: Database) -> AuditWriter | None:
     """The started audit writer of an ingress replica, or ``None`` when the pipeline keeps no trail: it
-    ships to the pipeline's state database and buffers in ``audit.path`` on this node's disk. Nothing is
-    connected here, so a replica starts while the database is down (its records wait in the journal).
-    The caller closes ``writer.db`` after the writer."""
+    ships to ``db`` (the pipeline's state database, the caller's to close) and buffers in ``audit.path`` on
+    this node's disk. Nothing is connected here, so a replica starts while the database is down (its
+    records wait in the journal)."""
     audit = spec.audit
     if audit is None or not audit.enabled:
         return None
     metrics = AuditMetrics(spec.name)
     writer = AuditWriter(
         spec.audit_dir(),
-        open_database(spec.state_dsn()),
+        db,
         buffer_rows=audit.buffer,
         flush_s=audit.flush_ms / 1e3,
         batch_rows=audit.batch_rows,

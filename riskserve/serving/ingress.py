@@ -98,7 +98,9 @@ class PipelineIngress:
             local_stage = FeatureStage(spec["features"], spec.get("tracing"), serving.matrix_retain_s)
         explainer = ReasonExplainer(self._spec, self._runners) if self._spec.reasons is not None else None
         self._shadows = Shadows(self._spec, self._runners)
-        self._audit = await asyncio.to_thread(audit_writer, self._spec)
+        # One pool per replica for everything it keeps: the audit trail it ships and the record it watches.
+        self._db = await asyncio.to_thread(open_database, self._spec.state_dsn())
+        self._audit = await asyncio.to_thread(audit_writer, self._spec, self._db)
         self._flow = DecisionFlow(
             self._spec,
             models=guarded,
@@ -124,11 +126,10 @@ class PipelineIngress:
         self._front_door = FrontDoor(self, serving.grpc, admission)
         self._refresher: asyncio.Task[None] | None = None
         self._watcher = VersionWatcher(
-            VersionsStore(await asyncio.to_thread(open_database, self._spec.state_dsn())),
+            VersionsStore(self._db),
             self.name,
             self._runners,
             {name: str(self._spec.artifact_path(name).resolve()) for name in self._runners},
-            public_key=lambda model: _public_key(self._spec, model),
             shadows=self._shadows.configure,
         )
         await self._watcher.apply_now()  # serve what the versions record says before anything else
@@ -168,7 +169,7 @@ class PipelineIngress:
             await asyncio.shield(runner.stop())
         if self._audit is not None:  # after the drain: every answered decision shipped (or journaled)
             await asyncio.to_thread(self._audit.close)
-            await asyncio.to_thread(self._audit.db.close)  # opened for it by audit_writer
+        await asyncio.to_thread(self._db.close)
         await asyncio.to_thread(self._tracing.release)
 
     # -- health -------------------------------------------------------------------------------------------
@@ -288,10 +289,6 @@ class PipelineIngress:
         """Whether this pipeline is draining (before a shutdown)."""
         return self._draining
 
-    def record_generation(self) -> int:
-        """The versions record's generation this replica applied last."""
-        return self._watcher.generation
-
     async def model_status(self, name: str) -> ModelStatus:
         """What a model serves now, wherever it runs (a model in a deployment: one of its replicas)."""
         runner = self._runners.get(name)
@@ -367,12 +364,6 @@ class PipelineIngress:
             return {**self._local_stage.stats(), "last_batch_id": self._sharer.last_batch_id}
         stats: dict[str, Any] = await self._features.stats.remote()
         return stats
-
-
-def _public_key(spec: PipelineSpec, model: str) -> bytes | None:
-    """The raw Ed25519 key ``model``'s artifacts must be signed with, if the pipeline signs them."""
-    key = spec.runner_settings(model).get("manifest_public_key")
-    return bytes.fromhex(key) if key else None
 
 
 class _Unimplemented(RiskServeError):

@@ -81,7 +81,6 @@ class ModelReplica:
         yaml_artifact = str(Path(settings["artifact"]).resolve())
         self._watcher: VersionWatcher | None = None
         if state is not None:
-            key = settings.get("manifest_public_key")
             self._watcher = VersionWatcher(
                 VersionsStore(
                     await asyncio.to_thread(open_database, StateSpec.model_validate(state).resolve_dsn())
@@ -89,7 +88,6 @@ class ModelReplica:
                 pipeline,
                 {name: self._runner},
                 {name: yaml_artifact},
-                public_key=lambda model: bytes.fromhex(key) if key else None,
             )
             await self._watcher.apply_now()  # what the record says, before the replica is ready
             self._watcher.start()

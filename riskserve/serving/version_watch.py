@@ -64,20 +64,18 @@ class VersionWatcher:
         runners: Mapping[str, ModelRunner],
         yaml_artifacts: Mapping[str, str],
         *,
-        public_key: Callable[[str], bytes | None] = lambda model: None,
         shadows: ShadowHook | None = None,
         poll_s: float = POLL_S,
         heartbeat_s: float = HEARTBEAT_S,
         identity: tuple[str, str] | None = None,
     ) -> None:
         """``yaml_artifacts``: each model's YAML artifact (what serves without a record, and the ``base`` a
-        record entry must have been written over); ``public_key``: a model's signing key, if any;
-        ``shadows``: where the ingress takes the record's shadow candidates (``None``: not an ingress)."""
+        record entry must have been written over); ``shadows``: where the ingress takes the record's shadow
+        candidates (``None``: not an ingress); a model's signing key is its runner's."""
         self.store = store
         self.pipeline = pipeline
         self._runners = dict(runners)
         self._yaml = dict(yaml_artifacts)
-        self._public_key = public_key
         self._shadows = shadows
         self._poll_s = poll_s
         self._heartbeat_s = heartbeat_s
@@ -104,7 +102,7 @@ class VersionWatcher:
             if self._applied.get(name) == (target, expected) and runner.ready:
                 continue  # another model or the shadows changed: this one stays as it is
             try:
-                local = await asyncio.to_thread(self._local, name, runner.artifact_kind, target)
+                local = await asyncio.to_thread(_local, runner, target)
                 await runner.serve(local, expected)
             except RiskServeError as error:
                 if not runner.ready:
@@ -122,12 +120,6 @@ class VersionWatcher:
         if errors:
             logger.error("%s: generation %d not fully applied: %s", self.pipeline, record.generation, errors)
         await asyncio.to_thread(self._report)
-
-    def _local(self, model: str, kind: str, artifact: str) -> str:
-        """A local, verified directory for ``artifact`` (artifact-store URIs are fetched into the cache)."""
-        if not ArtifactStore.is_remote(artifact):
-            return artifact
-        return str(fetch_verified(artifact, kind=kind, public_key=self._public_key(model)))
 
     def serving(self) -> dict[str, str]:
         """Model -> the version this replica serves now."""
@@ -175,3 +167,10 @@ class VersionWatcher:
                 await task
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.store.forget, self.pipeline, self.replica)
+
+
+def _local(runner: ModelRunner, artifact: str) -> str:
+    """A local, verified directory for ``artifact`` (artifact-store URIs are fetched into the cache)."""
+    if not ArtifactStore.is_remote(artifact):
+        return artifact
+    return str(fetch_verified(artifact, kind=runner.artifact_kind, public_key=runner.public_key))

@@ -652,13 +652,14 @@ def test_an_ingress_replica_ships_to_the_pipelines_state_and_audit_show_reads_it
     data["state"] = {"dsn": state_dsn}
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(data))
     spec = load_pipeline(tmp_path / "p.yaml")
-    writer = audit_writer(spec)
+    shipping = open_database(spec.state_dsn())
+    writer = audit_writer(spec, shipping)
     assert writer is not None
     assert writer.journal_dir == tmp_path / "journal"
     writer.submit([record(1)])
     assert writer.flush()
     writer.close()
-    writer.db.close()
+    shipping.close()
     trail = find_trail(str(tmp_path / "p.yaml"))
     assert trail.journal_dir == tmp_path / "journal"
     assert show_audit(trail, "d000001")["outcome"] == record(1)["outcome"]
