@@ -14,6 +14,7 @@ is never logged (:func:`redact`).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import re
 import sqlite3
@@ -92,7 +93,7 @@ def redact(dsn: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}@{netloc[-1]}"))
 
 
-class Database:
+class Database(abc.ABC):
     """A pipeline's state database; thread-safe; cheap to share within a process (open one per process)."""
 
     backend: Backend
@@ -100,6 +101,7 @@ class Database:
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
 
+    @abc.abstractmethod
     def transaction(self, *, write: bool = True) -> contextlib.AbstractContextManager[Tx]:
         """A transaction, committed durably on a clean exit, rolled back on an exception. ``write=False``:
         a read that takes no write lock (what a replica's poll of the versions record uses).
@@ -107,7 +109,6 @@ class Database:
         Raises:
             StoreUnavailable: the database cannot be reached (nothing was written).
         """
-        raise NotImplementedError
 
     def migrate(self, component: str, migrations: Sequence[Migration]) -> int:
         """Apply ``component``'s migrations not applied yet, in order, once across every process; returns
@@ -142,6 +143,7 @@ class Database:
     def _migration_lock(self) -> contextlib.AbstractContextManager[Tx]:
         return self.transaction()
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Release connections (idempotent)."""
 
