@@ -40,6 +40,18 @@ def write_results(out_dir: Path, name: str, results: dict[str, Any]) -> Path:
     return path
 
 
+def save_figure(figure: Any, out_dir: Path, name: str) -> Path:
+    """Lay out ``figure``, write it as ``out_dir/name.png`` (the directory made if needed) and close it."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
 def plot_latency(out_dir: Path, name: str, series: dict[str, dict[int, float]], title: str) -> Path:
     """Median latency against batch size, one line per series, log-log, as ``out_dir/name.png``."""
     import matplotlib
@@ -58,11 +70,7 @@ def plot_latency(out_dir: Path, name: str, series: dict[str, dict[int, float]], 
     axis.set_title(title)
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    path = out_dir / f"{name}.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, out_dir, name)
 
 
 def write_local_pipeline(

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import write_results
+from bench._common import save_figure, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINES = ROOT / "deploy" / "pipelines"
@@ -379,11 +379,7 @@ def _plot(out_dir: Path, results: dict[str, dict[str, Any]]) -> Path:
         axis.legend(fontsize=8, loc="lower right")
     axes[0].set_ylabel("fraction of calls")
     figure.suptitle("riskserve Decide over Ray Serve's gRPC proxy (loopback)")
-    figure.tight_layout()
-    path = out_dir / "decide.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, out_dir, "decide")
 
 
 def main() -> int:

@@ -66,7 +66,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import write_local_pipeline, write_results
+from bench._common import save_figure, write_local_pipeline, write_results
 from bench._procs import TreeSample, cpu_delta, descendants, rss_bytes, sample_tree
 from bench.vllm_bare import bare_env, bare_scorer
 
@@ -1143,12 +1143,7 @@ def plot(out_dir: Path, results: dict[str, Any]) -> Path:
     )
     _load_lines(axes[1][1], names, results)
     figure.suptitle("riskserve against a hand-written grpc.aio floor (loopback)")
-    figure.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "hotpath.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, out_dir, "hotpath")
 
 
 # -- main ----------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import hotpath
-from bench._common import write_local_pipeline, write_results
+from bench._common import save_figure, write_local_pipeline, write_results
 from bench.hotpath import Running, closed, frozen, settle, warm_up
 
 if TYPE_CHECKING:
@@ -606,15 +606,22 @@ def plot(out_dir: Path, latency: dict[str, Any], labels: dict[str, Any]) -> Path
             axis.axhline(LIMIT_LABEL_S * 1e3, color="red", lw=1, label="target")
         axis.legend(fontsize=8)
     figure.suptitle(f"{PIPELINE} with the audit trail: the state store on SQLite and on PostgreSQL")
-    figure.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "state_backends.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, out_dir, "state_backends")
 
 
 # -- main ----------------------------------------------------------------------------------------------
+
+
+def _phase(what: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """One part of the run, timed; a part that fails is recorded with its error and the run goes on."""
+    started = time.perf_counter()
+    try:
+        result = run()
+    except (RuntimeError, subprocess.SubprocessError, OSError, AssertionError) as error:
+        log(f"{what}: FAILED: {error}")
+        result = {"error": str(error)}
+    log(f"{what}: done in {time.perf_counter() - started:.0f} s")
+    return result
 
 
 def _commit() -> str:
@@ -628,35 +635,29 @@ def _commit() -> str:
 def run(models: Path, plan: Plan, run_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """PostgreSQL up, the hot path's rounds, then the label turns; every server stopped after whatever
     happens. A part that fails is recorded with its error and the run goes on."""
-    latency: dict[str, Any] = {}
-    labels: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     log("starting PostgreSQL (tests/pg_server.py)")
     with postgresql() as (server, database):
         version = server._run("postgres", "--version").stdout.strip()
         log(f"PostgreSQL serves on 127.0.0.1:{server.port} ({version}, pid {database.root_pid})")
         extra["postgresql"] = version
-        started = time.perf_counter()
-        try:
+
+        def hot_path() -> dict[str, Any]:
             copies = copies_for("latency", models, run_dir, server)
             with both_up(copies, database, plan.window):
                 log(f"hot path: {plan.rounds} alternating rounds (c=1, c=8; the idle copy frozen)")
-                latency = latency_rounds(copies, database, plan)
-        except (RuntimeError, subprocess.SubprocessError, OSError, AssertionError) as error:
-            log(f"hot path: FAILED: {error}")
-            latency = {"error": str(error)}
-        log(f"hot path: done in {time.perf_counter() - started:.0f} s")
-        started = time.perf_counter()
-        try:
+                return latency_rounds(copies, database, plan)
+
+        def label_to_version() -> dict[str, Any]:
             copies = copies_for("learning", models, run_dir, server)
             with both_up(copies, database, plan.window):
                 log(f"label -> new version: {plan.label_turns} turns per backend, alternated")
-                labels = label_rounds(copies, database, plan)
-                labels["learning_status"] = {copy.backend: learning_status(copy) for copy in copies}
-        except (RuntimeError, subprocess.SubprocessError, OSError, AssertionError) as error:
-            log(f"label -> new version: FAILED: {error}")
-            labels = {"error": str(error)}
-        log(f"label -> new version: done in {time.perf_counter() - started:.0f} s")
+                found = label_rounds(copies, database, plan)
+                found["learning_status"] = {copy.backend: learning_status(copy) for copy in copies}
+                return found
+
+        latency = _phase("hot path", hot_path)
+        labels = _phase("label -> new version", label_to_version)
         log("stopping PostgreSQL")
     return latency, labels, extra
 

@@ -79,6 +79,11 @@ class Replica:
         self.watcher.store.db.close()
 
 
+def _publish(spec: PipelineSpec, store: VersionsStore, artifact: str, version: str, **options: Any) -> Any:
+    """:func:`publish_version` of the fraud model off the event loop the replicas' watchers run on."""
+    return asyncio.to_thread(publish_version, spec, store, "fraud", artifact, version, **options)
+
+
 def _run(body: Callable[[], Awaitable[T]]) -> T:
     return asyncio.run(body())
 
@@ -92,10 +97,9 @@ def test_every_replica_serves_a_published_version_and_the_publish_returns_once_b
         replicas = [await Replica(spec, name).start() for name in ("a", "b")]
         assert [r.version for r in replicas] == [original, original]  # no record: the YAML's serve
         store = VersionsStore(open_database(spec.state_dsn()))
-        published = await asyncio.to_thread(
-            publish_version, spec, store, "fraud", str(built["candidate"]), candidate,
-            source="swap", expected=original, timeout_s=20,
-        )  # fmt: skip
+        published = await _publish(
+            spec, store, str(built["candidate"]), candidate, source="swap", expected=original, timeout_s=20
+        )
         versions = [r.version for r in replicas]
         for r in replicas:
             await r.stop()
@@ -115,10 +119,9 @@ def test_a_replica_started_later_serves_the_record_not_the_yaml(
     async def body() -> str:
         first = await Replica(spec, "a").start()
         store = VersionsStore(open_database(spec.state_dsn()))
-        await asyncio.to_thread(
-            publish_version, spec, store, "fraud", str(built["candidate"]), candidate,
-            source="learned", expected=original, timeout_s=20,
-        )  # fmt: skip
+        await _publish(
+            spec, store, str(built["candidate"]), candidate, source="learned", expected=original, timeout_s=20
+        )
         await first.stop()
         later = await Replica(spec, "restarted-on-another-node").start()
         version = later.version
@@ -138,10 +141,15 @@ def test_a_version_a_replica_refuses_is_taken_out_and_the_previous_one_serves(
         store = VersionsStore(open_database(spec.state_dsn()))
         with pytest.raises(ModelLoadError, match="refused 0123456789abcdef"):
             # the record names a version the artifact does not hold (changed since): every replica refuses
-            await asyncio.to_thread(
-                publish_version, spec, store, "fraud", str(built["candidate"]), "0123456789abcdef",
-                source="swap", expected=original, timeout_s=20,
-            )  # fmt: skip
+            await _publish(
+                spec,
+                store,
+                str(built["candidate"]),
+                "0123456789abcdef",
+                source="swap",
+                expected=original,
+                timeout_s=20,
+            )
         entry = store.read(spec.name).serving("fraud", base_of(spec, "fraud"))
         await asyncio.sleep(0.3)  # the record moved back: nothing to apply, the serving version stays
         versions = [r.version for r in replicas]
@@ -163,10 +171,9 @@ def test_a_swap_verified_against_a_version_that_no_longer_serves_conflicts(
         replica = await Replica(spec, "a").start()
         store = VersionsStore(open_database(spec.state_dsn()))
         with pytest.raises(Conflict, match="another publish came first"):
-            await asyncio.to_thread(
-                publish_version, spec, store, "fraud", str(built["candidate"]), candidate,
-                source="swap", expected="feedfacefeedface",
-            )  # fmt: skip
+            await _publish(
+                spec, store, str(built["candidate"]), candidate, source="swap", expected="feedfacefeedface"
+            )
         await replica.stop()
         return store.generation(spec.name)
 
@@ -181,10 +188,9 @@ def test_rollback_returns_to_the_previous_entry_and_reset_serves_the_yaml(
     async def body() -> tuple[str, str, str]:
         replica = await Replica(spec, "a").start()
         store = VersionsStore(open_database(spec.state_dsn()))
-        await asyncio.to_thread(
-            publish_version, spec, store, "fraud", str(built["candidate"]), candidate,
-            source="swap", expected=original, timeout_s=20,
-        )  # fmt: skip
+        await _publish(
+            spec, store, str(built["candidate"]), candidate, source="swap", expected=original, timeout_s=20
+        )
         swapped = replica.version
         target = record_rollback(spec, store, "fraud")
         assert (target.version, target.source) == (original, "yaml")
